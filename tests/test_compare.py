@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
 import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
@@ -421,3 +423,133 @@ def test_runs_metered_in_different_codecarbon_tracking_modes_get_no_energy_ratio
     same = compare_runs(load_run(machine), load_run(machine))
     assert ratio_of(same, "energy_kwh") == 1.0 and same["not_comparable"] is None
     assert "not comparable" not in comparison_markdown(same)
+
+
+class _Scored(MNIST1DClassifier):
+    """Logs its validation accuracy under a name that says nothing of its direction too."""
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.log("val_score", self.val_acc)
+
+
+def _fit_scored(root: Path, lr: float, baseline: str | None = None, monitor: bool = True) -> Path:
+    """A tiny run of ``_Scored`` at ``lr`` (0: it never learns); with ``monitor``, a ModelCheckpoint on
+    ``val_score`` in mode ``"max"``. Returns its log directory."""
+    pl.seed_everything(0, verbose=False)
+    callbacks: list = [
+        EnergyLogger(
+            cpu="constant",
+            ram="none",
+            meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0),
+            accounting=AccountingConfig(baseline=baseline),
+        )
+    ]
+    if monitor:
+        callbacks.append(ModelCheckpoint(dirpath=root / "checkpoints", monitor="val_score", mode="max"))
+    trainer = pl.Trainer(
+        callbacks=callbacks,
+        **trainer_kwargs(
+            max_epochs=2,
+            limit_train_batches=8,
+            limit_val_batches=2,
+            logger=CSVLogger(root),
+            enable_checkpointing=monitor,
+        ),
+    )
+    trainer.fit(_Scored(arch="mlp", lr=lr), MNIST1DDataModule(num_samples=600, batch_size=32))
+    return Path(trainer.logger.log_dir)
+
+
+def test_a_run_worse_than_its_baseline_is_said_to_be_worse_beside_its_savings(tmp_path, caplog, capsys):
+    # sw-savings (b): with a baseline, the comparison showed `val_acc` 0.909x next to a 0.25x energy with no
+    # word that the result was worse; nothing said which way a metric is better
+    plain = _fit_scored(tmp_path / "plain", lr=1e-2)
+    with caplog.at_level(logging.INFO):
+        worse = _fit_scored(tmp_path / "worse", lr=0.0, baseline=str(plain), monitor=False)
+    a, b = report(plain)["metrics"], report(worse)["metrics"]
+    assert b["val_acc"] < a["val_acc"] and b["val_loss"] > a["val_loss"]  # lr=0: it never learned
+    comparison = report(worse)["comparison"]
+    rows = {row["metric"]: row for row in comparison["metrics"]}
+    for name, better in (("val_acc", "max"), ("val_loss", "min"), ("val_score", "max")):
+        assert rows[name]["better"] == better and rows[name]["verdict"] == "worse", rows[name]
+        assert rows[name]["difference"] == b[name] - a[name]
+    # a training loss is measured on the batches each run trained (a replay run picks the hardest): not judged
+    assert rows["train_loss"]["better"] is None and rows["train_loss"]["verdict"] is None
+    # `val_score`'s direction is the baseline's ModelCheckpoint's mode, recorded in its report
+    assert report(plain)["metric_modes"] == {"val_score": "max"} and report(worse)["metric_modes"] == {}
+    drop = f"val_acc ({b['val_acc']:.4g} against {a['val_acc']:.4g}, {b['val_acc'] - a['val_acc']:+.4g})"
+    assert comparison["worse"].startswith(f"Quality: B is worse than the baseline in {drop}, val_loss (")
+    markdown = (worse / "energy_report.md").read_text()
+    assert f"**{comparison['worse']}**" in markdown
+    assert f"| {b['val_acc'] - a['val_acc']:+.4g} (worse than the baseline; higher is better) |" in markdown
+    (line,) = [r.getMessage() for r in caplog.records if "against the baseline" in r.getMessage()]
+    energy = ratio_of(comparison, "energy_kwh")
+    assert (
+        line.startswith("EnergyLogger: against the baseline, wall time ") and f"energy {energy:.3f}x" in line
+    )
+    assert (
+        f"val_acc {b['val_acc']:.4g} against {a['val_acc']:.4g} (" in line
+        and "worse than the baseline)" in line
+    )
+
+    # the other way round, from the command line: better, and no quality line
+    assert main(["compare", str(worse), str(plain), "--out", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    assert "Quality:" not in out and "(better than the baseline; higher is better)" in out
+    reverse = json.loads((tmp_path / "cmp" / COMPARISON_JSON).read_text())
+    assert reverse["worse"] is None
+    assert {row["metric"]: row["verdict"] for row in reverse["metrics"]}["val_acc"] == "better"
+    # a worse metric is red in the chart, a better one green
+    assert red_and_green_pixels(tmp_path / "cmp" / COMPARISON_PNG) > 100
+
+
+def test_a_metric_a_monitor_watches_takes_the_monitors_mode(tmp_path):
+    # `val_score` says nothing of its direction by name: the ModelCheckpoint that monitors it in mode "max"
+    # does; the runs' modes are recorded in their reports, and a report edited into a mode of neither kind is
+    # refused naming the entry
+    plain = _fit_scored(tmp_path / "plain", lr=1e-2)
+    worse = _fit_scored(tmp_path / "worse", lr=0.0, baseline=str(plain))
+    assert report(worse)["metric_modes"] == {"val_score": "max"}
+    row = next(row for row in report(worse)["comparison"]["metrics"] if row["metric"] == "val_score")
+    assert row["better"] == "max" and row["verdict"] == "worse"
+    flipped = report(worse)
+    flipped["metric_modes"] = {"val_score": "min"}  # a monitor in mode "min": then lower is better
+    path = write(tmp_path / "flipped.json", json.dumps(flipped))
+    row = next(
+        row
+        for row in compare_runs(load_run(plain), load_run(path))["metrics"]
+        if row["metric"] == "val_score"
+    )
+    assert row["better"] is None and row["verdict"] is None  # the two runs disagree: not judged
+    flipped["metric_modes"] = {"val_score": "up"}
+    with pytest.raises(ValueError, match=r"`metric_modes.val_score`='up' is not 'min' or 'max'"):
+        load_run(write(tmp_path / "bad.json", json.dumps(flipped)))
+
+
+def test_a_process_mode_ram_figure_is_said_to_be_a_constant_power_times_wall_time(tmp_path):
+    # sw-savings problem 1: in codecarbon's process mode RAM is 10 W on x86 for any process up to 16 GB (its
+    # floor of two DIMMs), 82-96% of a CPU fit's energy, so the energy ratio of two runs was their wall ratio;
+    # the report and the comparison said the figure was "this process's share" of memory
+    first = _fit_with_codecarbon_ram(tmp_path / "a", "process")
+    second = _fit_with_codecarbon_ram(tmp_path / "b", "process")
+    total = report(second)["total"]
+    ram = total["energy_kwh_by_component"]["ram"]
+    watts = ram * 3.6e6 / total["duration_s"]
+    markdown = (second / "energy_report.md").read_text()
+    assert "RAM is codecarbon's `process`-mode estimate: a constant power times wall time" in markdown
+    assert (
+        f"Here {watts:.3g} W over the whole run, {100 * ram / total['energy_kwh']:.1f}% of the energy."
+        in markdown
+    )
+    comparison = compare_runs(load_run(first), load_run(second))
+    note = comparison["ram_note"]
+    assert note.startswith("RAM is codecarbon's `process`-mode estimate, a constant power") and note in (
+        comparison_markdown(comparison)
+    )
+    share_a = report(first)["total"]["energy_kwh_by_component"]["ram"] / report(first)["total"]["energy_kwh"]
+    assert f"({share_a:.0%} of A's energy, " in note
+    assert f"energy {ratio_of(comparison, 'energy_kwh'):.3f}x, wall time " in note and "the CPU part " in note
+    machine = _fit_with_codecarbon_ram(tmp_path / "m", "machine")  # the node's RAM: no such note
+    assert compare_runs(load_run(machine), load_run(machine))["ram_note"] is None
+    assert "`process`-mode" not in (machine / "energy_report.md").read_text()

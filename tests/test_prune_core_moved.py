@@ -254,9 +254,10 @@ def test_a_fit_end_warns_of_an_unfinished_schedule_folds_the_masks_and_says_the_
     outcome, _ = events.cut(model, 0.3, [], teacher=False)
     events.record(5, 0.3, outcome, model, (None, None), None)
     events.end_fit(model, 20, fold=True)
+    summary = pruning.event_summary(events.events[-1])  # no probe: nothing said of one
     assert said == [
         ("warn", prune_setup.unfinished_warning(events.schedule, 20, events.events)),
-        ("info", f"ScheduledPrune: at fit end, {pruning.event_summary(events.events[-1])}."),
+        ("info", f"ScheduledPrune: at fit end, step 20; the last prune event, {summary}."),
     ]
     assert pruning.masked_layer_names(model) == [] and "weight_orig" not in dict(model[1].named_parameters())
     kept, said = _events(start=5, end=50)

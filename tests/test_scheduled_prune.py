@@ -93,6 +93,24 @@ def test_a_one_shot_schedule_prunes_to_the_final_sparsity_at_its_step(mnist1d_sm
     assert prune.events[0]["target_sparsity"] == 0.5 and prune.finished
 
 
+def test_the_fit_end_line_names_the_fits_last_step_and_gives_the_probe_as_the_last_events(
+    mnist1d_small, caplog
+):
+    # sw-savings: "at fit end, step 140: ... val_acc=0.5800" for a fit that trained to step 200 after that
+    # event: the last event's step and probe were read as the fit's end
+    model, data = mnist1d_small()
+    prune = ScheduledPrune(final_sparsity=0.5, start=2, end=12, every=2, probe_batches=1)
+    trainer = pl.Trainer(max_steps=30, callbacks=[prune], **trainer_kwargs(max_epochs=-1))
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, data)
+    last = prune.events[-1]
+    assert trainer.global_step == 30 and last["step"] == 12 and last["probe_after"]
+    (line,) = [r.getMessage() for r in caplog.records if "at fit end" in r.getMessage()]
+    assert line.startswith("ScheduledPrune: at fit end, step 30; the last prune event, step 12: sparsity ")
+    assert line.endswith("; its probe is that event's, 18 steps before the fit's end."), line
+    assert pruning.event_summary(last) in line
+
+
 def test_step_cadence_follows_the_cubic_schedule_to_an_absolute_target(mnist1d_small):
     pl.seed_everything(0)
     model, data = mnist1d_small()
@@ -177,7 +195,7 @@ def test_layers_under_a_parametrization_are_left_out_and_named(mnist1d_small, ca
     weight_norm(model.net[1])  # the first conv
     spectral_norm(model.net[-1])  # the classifier
     before = {index: model.net[index].weight.detach().clone() for index in (1, len(model.net) - 1)}
-    prune = ScheduledPrune(final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1)
+    prune = ScheduledPrune(final_sparsity=0.5, start=2, end=12, every=2, probe_batches=1)
     with caplog.at_level("INFO"):
         pl.Trainer(max_steps=14, callbacks=[prune], **trainer_kwargs()).fit(model, data)
     assert prune.events and prune.events[-1]["sparsity"] > 0
@@ -201,7 +219,7 @@ def test_layers_under_the_older_hook_norms_are_left_out_too(mnist1d_small, caplo
     model, data = mnist1d_small()
     spectral_norm(model.net[-1])
     weight_norm(model.net[1])
-    prune = ScheduledPrune(final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1)
+    prune = ScheduledPrune(final_sparsity=0.5, start=2, end=12, every=2, probe_batches=1)
     with caplog.at_level("INFO"):
         pl.Trainer(max_steps=14, callbacks=[prune], **trainer_kwargs()).fit(model, data)
     assert prune.events and prune.events[-1]["sparsity"] > 0

@@ -33,7 +33,7 @@ from lightning_pulse.energy.account import (
     write_fit_report,
 )
 from lightning_pulse.energy.carbon import carbon_intensity_from, price_from
-from lightning_pulse.energy.compare import refuse_overwriting_baseline, scalar_metrics
+from lightning_pulse.energy.compare import final_metric_fields, refuse_overwriting_baseline
 from lightning_pulse.energy.config import (
     DEFAULT_CURRENCY,
     AccountingConfig,
@@ -322,7 +322,7 @@ class EnergyLogger(compat.PulseStateKey, Callback):
         directory = report_folder(self.report_dir, trainer, ended, lambda: run_folder(trainer))
         collective = self._collective(trainer) if ended else None
         self.report = self.account.report(status, self.currency, collective, num_nodes=trainer.num_nodes)
-        self.report.update(metrics=scalar_metrics(trainer.callback_metrics), run=logger_run(trainer))
+        self.report.update(final_metric_fields(trainer), run=logger_run(trainer))
         self.report_paths = write_fit_report(  # rank 0 only, and not under fast_dev_run (a smoke test)
             self.report,
             directory,

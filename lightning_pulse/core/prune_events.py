@@ -357,8 +357,7 @@ class PruneEvents:
             self.warn(warning + waited)
         self._fold_own_masks(model, fold)
         if self.events:
-            kept = kept_above_target(self.schedule)
-            self.info(f"ScheduledPrune: at fit end, {kept}{pruning.event_summary(self.events[-1])}.")
+            self.info(fit_end_line(self.events[-1], step, kept_above_target(self.schedule)))
             if (short := short_warning(self.events[-1], self.schedule.final_sparsity)) is not None:
                 self.warn(short)
 
@@ -704,6 +703,23 @@ def short_warning(event: Mapping[str, Any], final: float) -> str | None:
         f"ScheduledPrune: the fit ended short of `final_sparsity`={final}, at sparsity "
         f"{event['sparsity']:.3f}: {first_names(left_out, 3)} could no longer be pruned (see the warning "
         "of the event that first found it)."
+    )
+
+
+def fit_end_line(event: Mapping[str, Any], step: int, kept: str = "") -> str:
+    """The fit-end line: the fit's last optimizer ``step``, then the model as the last ``event`` left it
+    (``kept``: :func:`~lightning_pulse.core.prune_setup.kept_above_target`'s opening, else ``""``). The
+    sparsity and the non-zero parameters hold at the fit's end (nothing cuts after the last event); the step
+    and the probe are the event's. The line used to read "at fit end, step 140: ... val_acc=0.58" for a fit
+    that trained to step 200 after that event (a held-out sweep: step 367 of 524, its test accuracy 0.49
+    against the probe's 0.45), the event's step and probe taken for the fit's end."""
+    since = step - int(event["step"])
+    probed = (
+        f"; its probe is that event's, {since} steps before the fit's end" if event["probe_after"] else ""
+    )
+    return (
+        f"ScheduledPrune: at fit end, step {step}; {kept or 'the last prune event, '}"
+        f"{pruning.event_summary(event)}{probed if since > 0 else ''}."
     )
 
 

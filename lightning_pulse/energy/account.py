@@ -24,7 +24,7 @@ import torch
 
 from lightning_pulse.energy.carbon import Rate
 from lightning_pulse.energy.codecarbon_meter import CodecarbonMeter, CodecarbonSession
-from lightning_pulse.energy.compare import baseline_ratios, write_report_compared
+from lightning_pulse.energy.compare import baseline_ratios, comparison_line, write_report_compared
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.constant import (
     CODECARBON_DEFAULT,
@@ -289,7 +289,9 @@ def write_fit_report(
 ) -> list[Path]:
     """Write EnergyLogger's ``report`` into ``directory``, compared against the ``baseline`` run
     (:func:`~lightning_pulse.energy.compare.write_report_compared`), where this process ``writes`` (the
-    global rank 0); the paths written. One warning where it replaces the report of another run than its
+    global rank 0); the paths written. With a baseline, one info line sets the time and energy ratios beside
+    each final metric B against A (:func:`~lightning_pulse.energy.compare.comparison_line`). One warning
+    where it replaces the report of another run than its
     ``run`` (the logger's run, :func:`~lightning_pulse.loggers.logger_run`). Under a ``smoke_test``
     (``fast_dev_run``) Lightning suppresses logging and checkpointing, so no file is written either (the
     report stays in EnergyLogger's ``.report``)."""
@@ -302,7 +304,10 @@ def write_fit_report(
         replacing := replaced_run_line(Path(directory) / JSON_NAME, report.get("run"), "EnergyLogger")
     ) is not None:
         warn(replacing)
-    return write_report_compared(report, directory, baseline, warn)
+    written = write_report_compared(report, directory, baseline, warn)
+    if (compared := comparison_line(report.get("comparison"))) is not None:
+        info(compared)
+    return written
 
 
 def guarded_hook(hook: Callable[..., Any]) -> Callable[..., Any]:

@@ -20,10 +20,18 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning_pulse.energy.meter import NONE, PARTIAL
+from lightning_pulse.energy.metric_quality import (
+    metric_direction,
+    monitored_modes,
+    signed_difference,
+    verdict,
+    worse_line,
+)
 from lightning_pulse.energy.report import (
     JSON_NAME,
     SCHEMA,
     SMOKE_TEST,
+    process_ram,
     write_atomic,
     write_report,
     write_text_atomic,
@@ -144,6 +152,12 @@ def _refuse_malformed(report: Mapping[str, Any], where: str) -> None:
     for name, value in (metrics or {}).items():
         if not number_or_null(value):
             refuse(f"metrics.{name}", value, "a number or null")
+    modes = report.get("metric_modes")
+    if modes is not None and not isinstance(modes, Mapping):
+        refuse("metric_modes", modes, "a mapping of metric names to 'min' or 'max'")
+    for name, mode in (modes or {}).items():
+        if mode not in ("min", "max"):
+            refuse(f"metric_modes.{name}", mode, "'min' or 'max'")
     price = report.get("price")
     if price is not None and not isinstance(price, Mapping):
         refuse("price", price, "a mapping or null")
@@ -235,15 +249,22 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         )
     # the energy figures are compared above; EnergyLogger's own logged columns would repeat them
     names = sorted(name for name in set(a["metrics"]) | set(b["metrics"]) if not name.startswith("energy/"))
-    metrics = [
-        {
-            "metric": name,
-            "a": a["metrics"].get(name),
-            "b": b["metrics"].get(name),
-            "ratio": _ratio(a["metrics"].get(name), b["metrics"].get(name)),
-        }
-        for name in names
-    ]
+    modes = a["report"].get("metric_modes"), b["report"].get("metric_modes")
+    metrics = []
+    for name in names:
+        value_a, value_b = a["metrics"].get(name), b["metrics"].get(name)
+        direction = metric_direction(name, *modes)
+        metrics.append(
+            {
+                "metric": name,
+                "a": value_a,
+                "b": value_b,
+                "ratio": _ratio(value_a, value_b),
+                "difference": signed_difference(value_a, value_b),
+                "better": direction,
+                "verdict": verdict(value_a, value_b, direction),
+            }
+        )
     return {
         **{
             name: {
@@ -256,14 +277,19 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         },
         "figures": figures,
         "metrics": metrics,
+        "worse": worse_line(metrics),
         "not_comparable": None if metered_apart is None else _not_comparable_line(metered_apart),
+        "ram_note": None
+        if metered_apart is not None
+        else process_ram_line(a["report"], b["report"], figures),
     }
 
 
 def tracking_modes_differ(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
     """``"codecarbon tracking mode 'machine' in A, 'process' in B (cpu, ram)"`` when codecarbon metered a
     component of the two runs in different tracking modes (recorded in each report's ``meters``), else
-    ``None``. ``machine`` counts the whole node, ``process`` this process's share (its RAM, its CPU time):
+    ``None``. ``machine`` counts the whole node, ``process`` this process's CPU time and codecarbon's RAM
+    floor for a process (:func:`process_ram_line`):
     the same work read 0.59x in ``process`` mode, a saving nobody made."""
     differing: dict[tuple[str, str], list[str]] = {}
     meters_a, meters_b = a.get("meters"), b.get("meters")
@@ -287,9 +313,35 @@ def tracking_modes_differ(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | N
 def _not_comparable_line(metered_apart: str) -> str:
     return (
         f"The energy, CO2 and cost of A and B are not comparable: {metered_apart}. 'machine' counts the "
-        "whole node, 'process' only this process's share, so the same work reads as less energy in "
-        "'process' mode. "
+        "whole node, 'process' this process's CPU time and codecarbon's per-process RAM floor, so the same "
+        "work reads as less energy in 'process' mode. "
         "Meter both runs with the same `meters.codecarbon_tracking_mode`."
+    )
+
+
+def process_ram_line(a: Mapping[str, Any], b: Mapping[str, Any], figures: list[dict[str, Any]]) -> str | None:
+    """Where codecarbon metered RAM in ``"process"`` mode (:func:`~lightning_pulse.energy.report.process_ram`:
+    a constant power times wall time), the line that says so, with the RAM's share of each run's energy, the
+    energy and wall-time ratios and the CPU part's own ratio; ``None`` otherwise. On CPU-only fits the RAM was
+    82-96% of every figure (a held-out sweep), so the energy ratio was about the wall-time ratio: 0.275x for
+    runs whose CPU time was 0.524x, their baselines having waited for other processes on a loaded machine."""
+    found = {name: process_ram(report) for name, report in (("A", a), ("B", b))}
+    shares = [
+        f"{share:.0%} of {name}'s energy"
+        for name, got in found.items()
+        if got and (share := got[0]) is not None
+    ]
+    if all(got is None for got in found.values()):
+        return None
+    ratios = {row["figure"]: row["ratio"] for row in figures}
+    cpu = _ratio(*((report["total"].get("energy_kwh_by_component") or {}).get("cpu") for report in (a, b)))
+    named = {"energy": ratios.get("energy_kwh"), "wall time": ratios.get("duration_s"), "the CPU part": cpu}
+    compared = ", ".join(f"{name} {ratio:.3f}x" for name, ratio in named.items() if ratio is not None)
+    return (
+        "RAM is codecarbon's `process`-mode estimate, a constant power (10 W on x86 for a process up to 16 GB) "
+        "times wall time, whatever the process holds or does"
+        f"{' (' + ', '.join(shares) + ')' if shares else ''}: that part of the energy follows wall time, time "
+        f"spent waiting for other processes included, not the work{'; ' + compared if compared else ''}."
     )
 
 
@@ -342,6 +394,38 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
         if math.isfinite(number):
             scalars[str(name)] = number
     return dict(sorted(scalars.items()))
+
+
+def final_metric_fields(trainer: Any) -> dict[str, Any]:
+    """What EnergyLogger records of the Trainer's results in its report: ``metrics``, the final
+    ``callback_metrics`` (:func:`scalar_metrics`), and ``metric_modes``, the ``mode`` of each metric a
+    ``ModelCheckpoint`` or ``EarlyStopping`` monitors (:func:`monitored_modes`), which says which way it is
+    better in a comparison."""
+    return {"metrics": scalar_metrics(trainer.callback_metrics), "metric_modes": monitored_modes(trainer)}
+
+
+def comparison_line(comparison: Mapping[str, Any] | None) -> str | None:
+    """The fit-end line of a run compared against its baseline: its wall-time and energy ratios next to each
+    final metric whose better direction is known, B against A with the difference and the verdict, so that a
+    saving is never read without what it cost in result; ``None`` without a comparison."""
+    if not comparison:
+        return None
+    ratios = [
+        f"{row['label']} {row['ratio']:.3f}x"
+        for row in comparison["figures"]
+        if row["figure"] in ("duration_s", "energy_kwh") and row["ratio"] is not None
+    ]
+    words = {"worse": "worse than the baseline", "better": "better than the baseline", "equal": "equal"}
+    judged = [
+        f"{row['metric']} {row['b']:.4g} against {row['a']:.4g} ({row['difference']:+.4g}, {words[row['verdict']]})"
+        for row in comparison["metrics"]
+        if row.get("verdict") in words
+    ]
+    quality = "; ".join(judged) or (
+        "no final metric whose better direction is known (a loss or accuracy by name, or a monitor's `mode`): "
+        "see B - A in the report"
+    )
+    return f"EnergyLogger: against the baseline, {', '.join(ratios) or 'no time or energy ratio'}; {quality}."
 
 
 def add_comparison(report: dict[str, Any], baseline: str | Path | None, path: str | Path, warn: Any) -> None:
@@ -438,6 +522,19 @@ def _ratio_cell(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.3f}x"
 
 
+def _difference_cell(row: Mapping[str, Any]) -> str:
+    """``"-0.0448 (worse than the baseline; higher is better)"``: B - A and, where the metric has a direction
+    (:mod:`~lightning_pulse.energy.metric_quality`), what it means."""
+    difference = row.get("difference")
+    if difference is None:
+        return "n/a"
+    better = {"max": "higher is better", "min": "lower is better"}.get(row.get("better") or "")
+    said = {"worse": "worse than the baseline", "better": "better than the baseline"}.get(
+        row.get("verdict") or ""
+    )
+    return f"{difference:+.4g}" + (f" ({said}; {better})" if said else f" ({better})" if better else "")
+
+
 def comparison_markdown(comparison: Mapping[str, Any], title: str = "# Energy comparison") -> str:
     """The comparison as Markdown: figures, then metrics, each with A, B and B/A."""
     a, b = comparison["a"], comparison["b"]
@@ -447,6 +544,8 @@ def comparison_markdown(comparison: Mapping[str, Any], title: str = "# Energy co
         f"A (baseline): `{a['path']}` ({a.get('status')}); B: `{b['path']}` ({b.get('status')}).",
         "",
         *([f"**{comparison['not_comparable']}**", ""] if comparison.get("not_comparable") else []),
+        *([f"**{comparison['worse']}**", ""] if comparison.get("worse") else []),
+        *([comparison["ram_note"], ""] if comparison.get("ram_note") else []),
         "| figure | A | B | B/A |",
         "|---|---|---|---|",
     ]
@@ -462,12 +561,13 @@ def comparison_markdown(comparison: Mapping[str, Any], title: str = "# Energy co
         lines += [
             f"Final logged metrics (A from its {a['metrics_source']}, B from its {b['metrics_source']}):",
             "",
-            "| metric | A | B | B/A |",
-            "|---|---|---|---|",
+            "| metric | A | B | B/A | B - A |",
+            "|---|---|---|---|---|",
         ]
         for row in comparison["metrics"]:
             lines.append(
-                f"| {row['metric']} | {_cell(row['a'])} | {_cell(row['b'])} | {_ratio_cell(row['ratio'])} |"
+                f"| {row['metric']} | {_cell(row['a'])} | {_cell(row['b'])} | {_ratio_cell(row['ratio'])} "
+                f"| {_difference_cell(row)} |"
             )
     else:
         lines.append(
@@ -486,25 +586,27 @@ def write_comparison_plot(comparison: Mapping[str, Any], path: str | Path) -> Pa
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    # costs (time, energy, CO2, money) are green below the baseline and red above; steps, samples and metrics
-    # stay grey, as whether more is better depends on them; so do costs against a run that did not finish
+    # costs (time, energy, CO2, money) are green below the baseline and red above (grey against a run that did
+    # not finish: its costs undercount), and metrics with a direction green where better and red where worse;
+    # steps, samples and the other metrics stay grey, as whether more is better is not known for them
     unfinished = [name for name in ("a", "b") if _part_only(comparison[name])]
+    grey, green, red = "#7f7f7f", "#2ca02c", "#d62728"
     rows = [
-        (row["label"], row["ratio"], row["figure"] in COST_FIGURES and not unfinished)
+        (row["label"], row["ratio"], grey if unfinished or row["figure"] not in COST_FIGURES else None)
         for row in comparison["figures"]
         if row["ratio"] is not None
     ]
+    verdicts = {"better": green, "worse": red}
     rows += [
-        (row["metric"], row["ratio"], False) for row in comparison["metrics"] if row["ratio"] is not None
+        (row["metric"], row["ratio"], verdicts.get(row.get("verdict") or "", grey))
+        for row in comparison["metrics"]
+        if row["ratio"] is not None
     ]
     figure = Figure(figsize=(8, 0.45 * max(len(rows), 2) + 1.2), constrained_layout=True)
     axes = figure.subplots()
     rows = rows[::-1]
     values = [value for _, value, _ in rows]
-    colours = [
-        "#7f7f7f" if not cost or value == 1 else "#2ca02c" if value < 1 else "#d62728"
-        for _, value, cost in rows
-    ]
+    colours = [colour or (grey if value == 1 else green if value < 1 else red) for _, value, colour in rows]
     axes.barh([name for name, _, _ in rows], values, color=colours)
     axes.axvline(1.0, color="black", linewidth=1)
     for index, value in enumerate(values):

@@ -47,8 +47,10 @@ class MeterConfig(_EnergyLoggerConfig):
         cpu_watts: a constant CPU power in watts: what ``cpu="constant"`` counts, and the last CPU fallback
             of ``cpu="auto"`` / ``"codecarbon"`` (without it, codecarbon's power for a generic CPU is).
         rapl_root: the powercap sysfs directory.
-        codecarbon_tracking_mode: codecarbon's ``"machine"`` (the whole node) or ``"process"`` (this
-            process's share of CPU load and memory).
+        codecarbon_tracking_mode: codecarbon's ``"machine"`` (the whole node) or ``"process"`` (the CPU as
+            its TDP times this process's CPU time, a share of the cores; RAM as a machine holding this process's
+            memory, with codecarbon's floor of two DIMMs: 10 W on x86 for any process up to 16 GB, a constant
+            power times wall time that is not a share of the node's memory, and most of a CPU-only fit's energy).
 
     Raises:
         ValueError: on a bad value, naming the field, the value and what is allowed.

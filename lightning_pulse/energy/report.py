@@ -370,6 +370,57 @@ def _parts_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def process_ram(report: Mapping[str, Any]) -> tuple[float | None, float | None] | None:
+    """``(share of the energy, watts)`` of the RAM figure where codecarbon metered RAM in ``"process"`` mode
+    (either ``None`` where the report cannot give it), else ``None``. codecarbon 3 prices the process's
+    memory as if a machine held that much (``codecarbon.external.ram.RAM._calculate_ram_power`` on the
+    process's RSS): a DIMM count with a floor of two, 5 W each on x86 (3 W in all on ARM), so 10 W for any
+    process up to 16 GB, whatever it holds or does. Its energy is that power times wall time."""
+    meter = (report.get("meters") or {}).get("ram")
+    if not isinstance(meter, Mapping) or meter.get("meter") != "codecarbon":
+        return None
+    if meter.get("tracking_mode") != "process":
+        return None
+    total = report.get("total") or {}
+    ram, energy, duration = (
+        (total.get("energy_kwh_by_component") or {}).get("ram"),
+        total.get("energy_kwh"),
+        total.get("duration_s"),
+    )
+    if not all(isinstance(value, (int, float)) for value in (ram, energy, duration)):
+        return None, None
+    return (ram / energy if energy > 0 else None), (ram * J_PER_KWH / duration if duration > 0 else None)
+
+
+def process_ram_note(report: Mapping[str, Any]) -> list[str]:
+    """The Meters section's note on a RAM figure from codecarbon's ``"process"`` mode (:func:`process_ram`);
+    none for any other RAM meter."""
+    found = process_ram(report)
+    if found is None:
+        return []
+    share, watts = found
+    cpu_meter = (report.get("meters") or {}).get("cpu") or {}
+    cpu = (
+        "; the CPU row (codecarbon: the TDP times this process's CPU time as a share of all cores) is what "
+        "follows the work"
+        if isinstance(cpu_meter, Mapping) and cpu_meter.get("meter") == "codecarbon"
+        else ""
+    )
+    figures = (
+        f" Here {_num(watts, 3)} W over the whole run, {_share(share)} of the energy."
+        if share is not None and watts is not None
+        else ""
+    )
+    return [
+        "RAM is codecarbon's `process`-mode estimate: a constant power times wall time, not this process's "
+        "share of the node's memory power and not its work (codecarbon prices the process's memory as a "
+        "machine holding that much, with a floor of two DIMMs: 10 W on x86 for any process up to 16 GB)."
+        f"{figures} Two such runs' energy compares about as their wall times do, time spent waiting for other "
+        f"processes included{cpu}.",
+        "",
+    ]
+
+
 def report_markdown(report: Mapping[str, Any]) -> str:
     """The Markdown report: summary, meters, then one table per phase / cycle / epoch / stage."""
     total = report.get("total", {})
@@ -430,6 +481,7 @@ def report_markdown(report: Mapping[str, Any]) -> str:
             f"{_num(by_component.get(component), 6)} | {meter.get('counted_on', '—')} |"
         )
     lines.append("")
+    lines += process_ram_note(report)
     if report.get("disabled"):
         lines += [f"Metering stopped early: {report['disabled']}.", ""]
     startup = report.get("meter_startup")
