@@ -536,6 +536,25 @@ class PhaseClock:
             self.history = history
         return copy
 
+    def counted(
+        self,
+        steps: int,
+        seconds: float,
+        steps_per_epoch: float | None = None,
+        total_steps: int | float | None = None,
+    ) -> tuple[PhaseClock, list[PhaseChange]]:
+        """A copy of this clock (history included) as PulseCycle's batch end leaves it once it counts
+        ``steps`` that took ``seconds`` (:meth:`advance`) and applies the hold waiting for them
+        (:meth:`take_due_hold`), and the changes that batch end tells. This clock is left as it is, so nothing
+        changes or is told before that batch end: for a checkpoint saved inside the step
+        (:mod:`lightning_pulse.core.uncounted_step`)."""
+        after = self.copy()
+        after.history = list(self.history)
+        changes = after.advance(steps, seconds, steps_per_epoch, total_steps)
+        if self._hold_due is not None:
+            changes += after.hold(self._hold_due)
+        return after, changes
+
     def first_entry(
         self, phase: Phase, from_step: int, steps_per_epoch: float | None, total_steps: float
     ) -> int | None:
@@ -602,9 +621,9 @@ class PhaseClock:
         step (:meth:`PhaseRows.step_starts`), the step that just trained is not counted yet (a scheduler's
         batch end that runs before PulseCycle's): the hold waits for :meth:`take_due_hold`, after
         :meth:`advance` counts that step, so it takes effect at the same step whatever the callback order.
-        A waiting hold is not in :meth:`state_dict`: a checkpoint saved between the two batch ends (a
-        StabilityGuard's stop, listed between them) resumes unheld, and the scheduler decides again at its next
-        check.
+        A waiting hold is not in :meth:`state_dict`; PulseCycle saves a checkpoint taken between the two batch
+        ends (a callback's ``trainer.save_checkpoint``, a StabilityGuard's stop, listed between them) as
+        :meth:`counted`, the step counted and the hold applied, as its batch end leaves the clock.
         """
         if step is not None and self.rows.in_step and step > self.step and self.stage != "pending":
             self._hold_due = bool(held)

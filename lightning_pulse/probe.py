@@ -23,8 +23,10 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.carried_state import kept_buffers, kept_carried_state, kept_python_state
+from lightning_pulse.core.optimizer_modes import at_evaluation_point
 from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 from lightning_pulse.core.stability_steps import DrawnState
+from lightning_pulse.loggers import log_to_loggers
 
 #: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
 #: that run a probe wait for them at teardown
@@ -344,6 +346,16 @@ class HeldOutProbe:
         """``figures`` as sent to the loggers, each name after ``prefix``: without those the module logged
         with ``logger=False`` (a progress-bar-only or private figure stays out of the loggers)."""
         return {f"{prefix}{name}": value for name, value in figures.items() if name not in self.unlogged}
+
+    def logged_run(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str
+    ) -> dict[str, float] | None:
+        """:meth:`run` on the weights the optimizers evaluate at (``at_evaluation_point``: a schedule-free
+        optimizer's), its figures logged under ``prefix`` (:meth:`for_loggers`); ``None`` if unavailable."""
+        figures = at_evaluation_point(trainer.optimizers, self.run, trainer, pl_module)
+        if figures is not None:
+            log_to_loggers(trainer, self.for_loggers(figures, prefix))
+        return figures
 
     def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
         """What ``validation_step`` logs on the probe's batches (:func:`run_validation_probe`), or ``None`` if

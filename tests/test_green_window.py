@@ -34,6 +34,7 @@ from lightning_pulse import (
     SimulatedClock,
     StabilityGuard,
     phase_of,
+    pulse_cycle_of,
 )
 from lightning_pulse.callbacks._suspend_save import SuspendSave
 from lightning_pulse.callbacks.green_window import SUSPEND_CHECKPOINT
@@ -1482,6 +1483,64 @@ def test_light_mode_releases_at_the_same_step_in_either_callback_order(mnist1d_s
     assert changes2 == changes and logged2 == logged and steps2 == steps
     for mine, theirs in zip(weights, weights2, strict=True):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("green_first", [True, False], ids=["saved-after-the-release", "saved-before-it"])
+def test_light_mode_resumes_a_checkpoint_saved_before_pulse_cycles_batch_end_at_the_release(
+    mnist1d_small, tmp_path, green_first
+):
+    # a user's trainer.save_checkpoint listed before PulseCycle, at step 48, where the grid turns clean and
+    # GreenWindow releases the hold inside a maintain phase. The clock saved had not counted step 48: saved
+    # before GreenWindow's batch end, the resumed run released at step 47; saved after it (the release waiting
+    # for PulseCycle's batch end, not saved either), it trained 5 more light steps and released at 53
+    class SaveAt48(pl.Callback):
+        def __init__(self, clock):
+            self.clock, self.saved_at_time, self.path = clock, None, tmp_path / "user.ckpt"
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 48:
+                trainer.save_checkpoint(self.path)
+                self.saved_at_time = self.clock.time()
+
+    class Rows(pl.Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.rows.append((trainer.global_step, phase_of(trainer).value, pulse_cycle_of(trainer).held))
+
+    def run(clock, saver=None, ckpt_path=None):
+        pl.seed_everything(0)
+        model, data = mnist1d_small(arch="mlp")
+        green = GreenWindow(
+            signal=DE_JUNE,
+            when_dirty="light",
+            max_delay=1.0,
+            expected_duration="8h",
+            clock=clock,
+            options=GreenWindowOptions(watts=300.0, report_dir=str(tmp_path)),
+        )
+        pulse, rows = (
+            PulseCycle(burst=6, replay=4, maintain=3, warmup=0, anneal=0, maintain_eval="none"),
+            Rows(),
+        )
+        callbacks = [green, saver, pulse] if green_first else [saver, green, pulse]
+        callbacks = [c for c in callbacks if c is not None] + [rows]
+        fit(callbacks, clock, steps=64, default_root_dir=tmp_path).fit(model, data, ckpt_path=ckpt_path)
+        return (
+            [(c.step, c.current.value, c.reason) for c in pulse.history],
+            rows.rows,
+            pulse.clock.steps_by_phase,
+        )
+
+    clock = SimulatedClock("2020-06-19 00:00:00")
+    saver = SaveAt48(clock)
+    changes, rows, steps = run(clock, saver)
+    assert (48, "burst", "release") in changes  # as test_light_mode_releases_at_the_same_step_... has it
+    resumed_changes, resumed_rows, resumed_steps = run(SimulatedClock(saver.saved_at_time), None, saver.path)
+    assert resumed_changes == changes and resumed_steps == steps
+    assert resumed_rows == [row for row in rows if row[0] >= 48]
+    assert resumed_rows[0] == (48, "burst", False)
 
 
 @pytest.mark.parametrize(("max_time_h", "waited_h"), [(5.0, 2.0), (4.5, 1.5)])

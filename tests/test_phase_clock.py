@@ -365,3 +365,25 @@ def test_settings_read_in_steps_per_epoch_or_per_run_are_refused_where_a_batch_s
         ValueError, match=r"^phases counted in epochs \(`burst`=0.5epochs\) .* steps or seconds"
     ):
         epochs.check_steps_per_batch_unknown(3, 80)
+
+
+def test_counted_is_the_clock_after_the_step_and_its_waiting_hold_and_leaves_the_clock_as_it_is():
+    # what PulseCycle saves inside a step its batch end has not counted (core.uncounted_step)
+    clock = PhaseClock({"burst": 3, "replay": 2, "maintain": 1})
+    clock.start(None)
+    clock.advance(1)
+    clock.rows.step_starts(clock)  # inside step 2 of the burst's 3, a scheduler holds the cycle light
+    assert clock.hold(True, step=2) == []  # waits for the step to be counted
+    before = clock.state_dict()
+    after, changes = clock.counted(1, 0.5)
+    assert clock.state_dict() == before and clock.holding  # nothing changed yet, nothing told
+    assert [(c.previous, c.current, c.step, c.reason, c.ended_steps) for c in changes] == [
+        (Phase.BURST, Phase.REPLAY, 2, "hold", 2)  # the step counted to the burst, then the hold
+    ]
+    assert (after.step, after.phase, after.held, after.steps_by_phase["burst"]) == (2, Phase.REPLAY, True, 2)
+    assert after.seconds_by_phase["burst"] == 0.5
+    assert after.history == [*clock.history, changes[0]]
+    # PulseCycle's batch end counts the same step and applies the waiting hold: the clock saved
+    clock.advance(1, 0.5)
+    clock.hold(clock.take_due_hold())
+    assert clock.state_dict() == after.state_dict()

@@ -17,9 +17,9 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.cycle_budget import fit_replay_to_budget, spent_report, start_without_plan
-from lightning_pulse.core.optimizer_modes import at_evaluation_point
 from lightning_pulse.core.step_plan import StepPlan
 from lightning_pulse.core.step_plan import resumed_without_plan as plan_lost_warning
+from lightning_pulse.core.uncounted_step import UncountedStep
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refusing
 from lightning_pulse.loggers import log_to_loggers
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, StepTimer, cycle_clock, unreachable_alone
@@ -157,6 +157,7 @@ class PulseCycle(compat.PulseStateKey, Callback):
         self.maintain_eval, self.probe_batches = maintain_eval, probe_batches
         self._held = compat.CollectiveHold()
         self.timer = StepTimer(time_source)  # the optimizer steps and seconds the clock advances by
+        self._uncounted = UncountedStep(self.timer)  # a checkpoint saved before our batch end: see state_dict
         self.added_listeners: list[Callable[[pl.Trainer, pl.LightningModule, PhaseChange], None]] = []
         self._total_steps = math.inf  # both refreshed every epoch: a callback can change the epoch's length
         self._epoch_steps: float | None = None  # read at the epoch's first batch (_epoch_steps_due)
@@ -236,15 +237,14 @@ class PulseCycle(compat.PulseStateKey, Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
+        self._refresh_run_length(trainer)
         if self.plan is None:  # no plan this fit (a steps-mode checkpoint resumed in batch mode)
             start_without_plan(self.clock, self.budget)  # unpins the clock; refuses a `budget`
-        self._refresh_run_length(trainer)
-        shares = {"warmup": self.clock.warmup, "anneal": self.clock.anneal}
-        compat.note_run_shares(trainer, "PulseCycle", {} if self.plan else shares)  # a plan places its own
-        if self.plan is None:  # a step-saving checkpoint resumed without its plan: another run length
             configs, saved = trainer.lr_scheduler_configs, self._saved_plan_steps
             if warning := plan_lost_warning(configs, trainer.global_step, saved, self._total_steps):
                 rank_zero_warn(warning)
+        shares = {"warmup": self.clock.warmup, "anneal": self.clock.anneal}
+        compat.note_run_shares(trainer, "PulseCycle", {} if self.plan else shares)  # a plan places its own
         stepped_itself = len(trainer.optimizers) if compat.steps_per_batch_unknown(trainer) else 0
         with refusing("PulseCycle"):
             self.clock.check_fit(trainer.num_training_batches, self._total_steps, stepped_itself)
@@ -259,7 +259,7 @@ class PulseCycle(compat.PulseStateKey, Callback):
         compat.add_progress_bar_item(trainer, "phase", lambda: self.clock.label)
         if note := self.clock.start_note(change, self._total_steps):  # resumed, or added to a resumed run
             rank_zero_info(f"PulseCycle: {note}")
-        self._announce(trainer, pl_module, change)
+        self._uncounted.start(trainer, change, lambda told: self._announce(trainer, pl_module, told))
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -269,6 +269,7 @@ class PulseCycle(compat.PulseStateKey, Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()
+        self._uncounted.detach()
         log_to_loggers(trainer, self.clock.end_rows())  # at the last step: the phase in progress so far
         if self.plan is not None and self.plan.plain_steps:
             spent, message = spent_report(self.plan, compat.training_steps_taken(trainer), self.budget)
@@ -289,7 +290,7 @@ class PulseCycle(compat.PulseStateKey, Callback):
     ) -> None:
         if compat.in_batch_norm_update_epoch(trainer):  # StochasticWeightAveraging's: no training step
             return
-        if (lap := self.timer.lap(trainer.global_step)) is None:  # mid accumulation window, or a skipped step
+        if (lap := self._uncounted.lap(trainer.global_step)) is None:  # mid window, or a skipped step
             return
         steps, seconds = lap
         if self.clock.uses_wall_clock and trainer.world_size > 1:  # rank 0's clock: all switch at one step
@@ -304,7 +305,9 @@ class PulseCycle(compat.PulseStateKey, Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = {"clock": self.clock.state_dict(), "last_probe": dict(self.last_probe)}
+        # saved before our batch end (by a callback listed first): the clock as it will be, the step counted
+        clock, untold = self._uncounted.saved_state(self.clock, self._epoch_steps, self._total_steps)
+        state = {"clock": clock, "untold": untold, "last_probe": dict(self.last_probe)}
         return {**state, "planned_steps": getattr(self.plan, "total_steps", None)}  # see plan_lost_warning
 
     @override
@@ -319,6 +322,7 @@ class PulseCycle(compat.PulseStateKey, Callback):
                 self.clock.load_state_dict(state_dict["clock"])
             self.last_probe = dict(state_dict.get("last_probe", {}))
             self._saved_plan_steps = state_dict.get("planned_steps")
+            self._uncounted.load(state_dict.get("untold", []))
 
     def rollback_state_dict(self) -> dict[str, Any]:
         """What a :class:`~lightning_pulse.StabilityGuard` rollback returns to: the last probe's metrics
@@ -339,7 +343,8 @@ class PulseCycle(compat.PulseStateKey, Callback):
         for callback in listeners(trainer, PhaseStartListener, exclude=self):  # before the probe: its time
             callback.on_pulse_phase_begin(trainer, pl_module, change)  # belongs to the phase it runs for
         if change.current is Phase.MAINTAIN and change.reason != "resume" and self.maintain_eval == "probe":
-            self._run_probe(trainer, pl_module)
+            if (probe := self.probe.logged_run(trainer, pl_module, "pulse/probe/")) is not None:
+                self.last_probe = probe
         for callback in listeners(trainer, PhaseListener, exclude=self):
             callback.on_pulse_phase_change(trainer, pl_module, change)
         for listener in self.added_listeners:
@@ -350,9 +355,3 @@ class PulseCycle(compat.PulseStateKey, Callback):
             return
         self._epoch_steps_due = True  # its accumulation may not be set yet: see compat.epoch_optimizer_steps
         self._total_steps = compat.total_steps(trainer)
-
-    def _run_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        probe = at_evaluation_point(trainer.optimizers, self.probe.run, trainer, pl_module)
-        if probe is not None:
-            self.last_probe = probe
-            log_to_loggers(trainer, self.probe.for_loggers(probe, "pulse/probe/"))
