@@ -178,6 +178,19 @@ def private_api_problems() -> list[str]:
         problems.append("StochasticWeightAveraging._model_contains_batch_norm")
     if "_average_model" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
         problems.append("StochasticWeightAveraging._average_model")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata
+
+    checkpoint_attributes = vars(ModelCheckpoint(every_n_train_steps=1))
+    problems += [
+        f"ModelCheckpoint.{name}"
+        for name in ("_every_n_train_steps", "_train_time_interval")
+        if name not in checkpoint_attributes
+    ]
+    if "_results" not in _TrainingEpochLoop.__init__.__code__.co_names or not callable(
+        getattr(_Metadata, "forked_name", None)
+    ):
+        problems.append("_TrainingEpochLoop._results (its results' meta.forked_name)")
     try:  # Lightning >= 2.5
         from lightning.pytorch.callbacks import EMAWeightAveraging
     except ImportError:
@@ -1323,6 +1336,49 @@ def set_callback_metric(trainer: pl.Trainer, name: str, value: float) -> None:
         metrics[name] = tensor
     else:
         trainer.callback_metrics[name] = tensor
+
+
+def checkpoints_monitoring(trainer: pl.Trainer, key: str) -> tuple[tuple[int, ...], list[Any]]:
+    r"""For the ``ModelCheckpoint``\ s of ``trainer`` that monitor ``key``: the ``every_n_train_steps`` of
+    those that save at training steps (checked at a batch's end: ``global_step % n == 0``), and the
+    ``train_time_interval`` of those that save at times rank 0's clock picks. Lightning 2.x keeps both
+    private (``_every_n_train_steps``, ``_train_time_interval``)."""
+    every, timed = [], []
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "monitor", None) != key:
+            continue
+        if (steps := getattr(callback, "_every_n_train_steps", 0) or 0) >= 1:
+            every.append(int(steps))
+        if (interval := getattr(callback, "_train_time_interval", None)) is not None:
+            timed.append(interval)
+    return tuple(sorted(set(every))), timed
+
+
+# ---------------------------------------------------------------------------- HardSampleReplay (sweep 41)
+def training_key_monitors(trainer: pl.Trainer) -> list[tuple[str, str]]:
+    """``(the monitor, its key)`` for each EarlyStopping, ModelCheckpoint and ``ReduceLROnPlateau``
+    scheduler config (``lr_scheduler={"monitor": ...}``) of ``trainer`` whose key was logged in the training
+    loop (``self.log`` in ``training_step`` or a training hook, as ``name``, ``name_step`` or
+    ``name_epoch``), not in validation. Reads the training loop's result collection, which Lightning 2.x keeps
+    private (``fit_loop.epoch_loop._results``), so call it once the keys are logged (an epoch's end)."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
+    logged: set[str] = set()
+    for result in (results or {}).values():
+        meta = getattr(result, "meta", None)
+        if meta is not None:
+            logged.update((meta.name, meta.forked_name(True), meta.forked_name(False)))
+    monitors = [
+        (f"{type(callback).__name__}(monitor={callback.monitor!r})", callback.monitor)
+        for callback in trainer.callbacks
+        if isinstance(callback, (EarlyStopping, ModelCheckpoint)) and callback.monitor is not None
+    ]
+    for config in trainer.lr_scheduler_configs:
+        if config.reduce_on_plateau and config.monitor is not None:
+            name = type(config.scheduler).__name__
+            monitors.append((f"{name} (lr_scheduler config monitor={config.monitor!r})", config.monitor))
+    return [(monitor, key) for monitor, key in monitors if key in logged]
 
 
 def _compiled_submodules(

@@ -164,6 +164,56 @@ def test_a_codecarbon_start_that_never_finishes_falls_back_to_an_estimate_over_t
     assert not any(isinstance(t, threading.Timer) for t in threading.enumerate())  # its tracker was stopped
 
 
+def test_a_validation_inside_the_first_epoch_waits_for_codecarbons_start_so_the_monitored_total_exists(
+    tmp_path, monkeypatch
+):
+    """Sweep 41: the running total published at a validation inside the first epoch (where EarlyStopping
+    checks it under `val_check_interval`) waits for a meter still starting, as an epoch end does: codecarbon
+    has no reading before its start ends, and a read-out that did not wait gave no figure (EarlyStopping: "not
+    available"). Here the start ends only once something waits for it (made deterministic), so the figure at
+    the first validation exists only through that wait, which is booked outside the run's total."""
+    from codecarbon import OfflineEmissionsTracker
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    release = threading.Event()
+    original_start, original_settle = OfflineEmissionsTracker.start, EnergySampler.settle
+
+    def held_start(tracker):
+        release.wait(timeout=20.0)
+        original_start(tracker)
+
+    def settle_releases_the_start(sampler, timeout=None):
+        release.set()
+        original_settle(sampler, timeout)
+
+    class TotalAtValidationEnds(Callback):  # listed first: its validation end runs before EarlyStopping's
+        rows: list[tuple[int, float | None]] = []
+
+        def on_validation_end(self, trainer, pl_module):
+            value = trainer.callback_metrics.get("energy/total_kwh")
+            self.rows.append((trainer.global_step, None if value is None else float(value)))
+
+    monkeypatch.setattr(OfflineEmissionsTracker, "start", held_start)
+    monkeypatch.setattr(EnergySampler, "settle", settle_releases_the_start)
+    data = MNIST1DDataModule(num_samples=1000, batch_size=64)
+    energy, recorder = EnergyLogger(cpu="codecarbon", ram="none"), TotalAtValidationEnds()
+    stop = EarlyStopping(monitor="energy/total_kwh", mode="max", patience=100)
+    options = trainer_kwargs(
+        max_epochs=1, limit_train_batches=6, limit_val_batches=1, default_root_dir=tmp_path
+    )
+    trainer = pl.Trainer(callbacks=[recorder, stop, energy], val_check_interval=3, **options)
+    try:
+        trainer.fit(MNIST1DClassifier(arch="mlp"), data)
+    finally:
+        release.set()
+
+    assert [step for step, _ in recorder.rows] == [3, 6]
+    assert all(total is not None and total > 0 for _, total in recorder.rows)
+    report = energy.report
+    assert report["meters"]["cpu"]["meter"] == "codecarbon" and report["meters"]["cpu"]["fallbacks"] == []
+    assert report["meter_startup"]["duration_s"] > 0  # the wait, outside the run's total
+
+
 def test_the_sampler_gives_up_a_start_past_its_grace_and_counts_the_fallback_from_the_meters_start():
     """The sampling thread's side of the same: past :data:`STARTING_GRACE_S` with no epoch end (a long first
     epoch), the zero point of a meter still starting was recorded as an estimated 0; now its chain falls back

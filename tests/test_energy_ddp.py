@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-from lightning.pytorch.callbacks import Callback, EarlyStopping
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse.callbacks.energy_logger import EnergyLogger
@@ -90,6 +90,97 @@ def test_monitored_total_exists_at_every_epoch_end_under_ddp_while_codecarbon_st
     assert report["total"]["methods"]["cpu"] == ESTIMATED
     assert report["meter_startup"]["duration_s"] > 0  # the wait is booked outside the run's total
     assert report["meters"]["cpu"]["counted_on"] == "local rank 0 of each node"  # machine mode: not refused
+
+
+class HoldCodecarbonUntilWaitedFor(Callback):
+    """In each rank: codecarbon's tracker start waits until EnergyLogger waits for it (its sampler's
+    ``settle``), at the latest until the first training epoch's end, so a read-out that does not wait for a
+    starting meter finds no reading, whatever the machine's speed."""
+
+    def setup(self, trainer, pl_module, stage):
+        from codecarbon import OfflineEmissionsTracker
+
+        from lightning_pulse.energy.sampler import EnergySampler
+
+        release = self.release = threading.Event()
+        start, settle = OfflineEmissionsTracker.start, EnergySampler.settle
+
+        def held_start(tracker):
+            release.wait(timeout=20.0)
+            start(tracker)
+
+        def settle_releasing_the_start(sampler, timeout=None):
+            release.set()
+            settle(sampler, timeout)
+
+        OfflineEmissionsTracker.start = held_start  # this rank's process only; it ends with the fit
+        EnergySampler.settle = settle_releasing_the_start
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.release.set()
+
+
+class TotalWhereMonitorsRead(Callback):
+    """Writes ``[(global_step, where, energy/total_kwh or None)]`` of each validation end (listed before the
+    EnergyLogger and an EarlyStopping) and of each batch end at a step a checkpoint saving every 3 steps saves
+    at (after the EnergyLogger's, before the checkpoint's) to ``<directory>/rank<r>.json``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.rows: list[tuple[int, str, float | None]] = []
+
+    def _record(self, trainer, where: str) -> None:
+        value = trainer.callback_metrics.get("energy/total_kwh")
+        self.rows.append((trainer.global_step, where, None if value is None else float(value)))
+        Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
+
+    def on_validation_end(self, trainer, pl_module):
+        self._record(trainer, "validation")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step % 3 == 0:
+            self._record(trainer, "step")
+
+
+@pytest.mark.ddp
+def test_monitored_total_exists_at_validations_and_step_saves_inside_the_first_epoch_under_ddp(tmp_path):
+    """Sweep 41: EarlyStopping / ModelCheckpoint checking `energy/total_kwh` at a validation inside the first
+    epoch crashed the fit (the total came at epoch ends only), and a step-saving ModelCheckpoint skipped its
+    saves. Under DDP the running total is read on every rank at the same points (it gathers), after every
+    rank waited, together, for a meter still starting (codecarbon, here until something waits for it)."""
+    energy = EnergyLogger(country_iso_code="DEU", cpu="codecarbon", ram="none", report_dir=str(tmp_path))
+    stop = EarlyStopping(monitor="energy/total_kwh", mode="max", patience=100)
+    saves = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="energy/total_kwh", every_n_train_steps=3, save_top_k=-1
+    )
+    recorder = TotalWhereMonitorsRead(str(tmp_path))
+    fit = ddp_trainer(
+        tmp_path,
+        [HoldCodecarbonUntilWaitedFor(), recorder, stop, energy, saves],
+        max_epochs=2,
+        limit_train_batches=4,
+        val_check_interval=2,
+        limit_val_batches=1,
+        enable_checkpointing=True,
+    )
+    fit.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=1000, batch_size=20))
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    where = [(step, kind) for step, kind, _ in rank0]
+    assert where == [(2, "validation"), (3, "step"), (4, "validation"), (6, "step"), (6, "validation")] + [
+        (8, "validation")
+    ]
+    totals = [total for _, _, total in rank0]
+    assert all(total is not None and total > 0 for total in totals)  # from the first validation on
+    assert totals == sorted(totals)
+    assert rank1 == rank0  # the same figure on every rank: combined over ranks
+    assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()) == [
+        "epoch=0-step=3.ckpt",
+        "epoch=1-step=6.ckpt",
+    ]
+    report = json.loads((tmp_path / "energy_report.json").read_text())
+    assert report["meter_startup"]["duration_s"] > 0  # the wait, at the first validation, outside the total
+    assert report["meters"]["cpu"]["fallbacks"] == []
 
 
 @pytest.mark.ddp

@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -247,6 +248,109 @@ def test_total_kwh_is_monitorable_and_logged_without_lightning_module_log(tmp_pa
     assert float(best.best_model_score) == pytest.approx(logged[0])
     assert float(fit.callback_metrics["energy/total_kwh"]) == pytest.approx(logged[1])
     assert "energy/total_kwh" not in fit.logged_metrics  # not through `LightningModule.log`
+
+
+class TotalWhereMonitorsRead(Callback):
+    """Records ``(global_step, where, energy/total_kwh or None)`` at each validation's end (listed before the
+    EnergyLogger: its ``on_validation_end`` runs first, as an EarlyStopping listed there does) and at each
+    training epoch's end (after the EnergyLogger's)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, str, float | None]] = []
+
+    def _record(self, trainer, where: str) -> None:
+        value = trainer.callback_metrics.get("energy/total_kwh")
+        self.rows.append((trainer.global_step, where, None if value is None else float(value)))
+
+    def on_validation_end(self, trainer, pl_module):
+        self._record(trainer, "validation")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._record(trainer, "epoch end")
+
+
+def test_total_kwh_exists_at_every_validation_inside_an_epoch_where_monitors_check_it(tmp_path):
+    """Sweep 41: with validation inside the epoch (`val_check_interval=0.5`, or an int), EarlyStopping and
+    ModelCheckpoint check at the validation's end, before the first training epoch's end, where EnergyLogger
+    used to put the total: `EarlyStopping(monitor="energy/total_kwh")` crashed the fit at the first validation
+    ("not available"), as did ModelCheckpoint ("could not find the monitored key"). The running total is now
+    published at every fit-time validation, before any monitor checks (an EarlyStopping listed before the
+    EnergyLogger included)."""
+    energy = EnergyLogger(
+        cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0)
+    )
+    recorder = TotalWhereMonitorsRead()
+    stop = EarlyStopping(monitor="energy/total_kwh", mode="max", patience=100)
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="energy/total_kwh", mode="min")
+    fit = trainer(
+        [recorder, stop, energy, best],
+        val_check_interval=0.5,
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+    )
+    fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    assert fit.global_step == 24  # trained to the end: no monitor crashed
+    assert (
+        not stop._check_on_train_epoch_end and not best._save_on_train_epoch_end
+    )  # both check at validation
+    steps = [(step, where) for step, where, _ in recorder.rows]
+    assert steps == [(6, "validation"), (12, "validation"), (12, "epoch end")] + [
+        (18, "validation"),
+        (24, "validation"),
+        (24, "epoch end"),
+    ]
+    values = [value for _, _, value in recorder.rows]
+    assert all(value is not None and value > 0 for value in values)
+    assert values == sorted(values) and values[0] < values[1] < values[3] < values[4]  # the running total
+    assert float(best.best_model_score) == pytest.approx(values[0])  # checked at the first validation
+
+
+def test_a_step_saving_checkpoint_monitoring_total_kwh_saves_at_its_steps_in_the_first_epoch(tmp_path):
+    """Sweep 41: `ModelCheckpoint(monitor="energy/total_kwh", every_n_train_steps=n)` found no key at the
+    steps before the first epoch end: Lightning warned and put those saves off to a validation's end (none
+    here), so they never came. The total is now published at the steps such a checkpoint saves at (once a
+    step, under gradient accumulation too), the figure an epoch end would give there."""
+    energy = EnergyLogger(
+        cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0)
+    )
+    saves = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="energy/total_kwh", every_n_train_steps=2, save_top_k=-1
+    )
+    fit = trainer(
+        [energy, saves],
+        limit_val_batches=0,
+        accumulate_grad_batches=2,  # 6 optimizer steps an epoch
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit.fit(MNIST1DClassifier(arch="mlp"), data())
+
+    assert fit.global_step == 12
+    saved = sorted((float(score), Path(path).name) for path, score in saves.best_k_models.items())
+    assert [name for _, name in saved] == [
+        f"epoch={(s - 1) // 6}-step={s}.ckpt" for s in (2, 4, 6, 8, 10, 12)
+    ]
+    assert all(score > 0 for score, _ in saved)
+    assert not [w for w in record if "could not find the monitored key" in str(w.message)]
+
+
+def test_a_time_saving_checkpoint_monitoring_total_kwh_is_warned_at_fit_start(tmp_path):
+    """Its saves come at times rank 0's clock picks, which EnergyLogger cannot foresee without a collective
+    at every step: the warning says when the key exists and the ways out."""
+    from datetime import timedelta
+
+    energy = EnergyLogger(cpu="constant", ram="none", meters=MeterConfig(cpu_watts=10.0))
+    saves = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="energy/total_kwh", train_time_interval=timedelta(hours=1)
+    )
+    fit = trainer([energy, saves], max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning) as record:
+        fit.fit(MNIST1DClassifier(arch="mlp"), data())
+    lines = energy_warnings(record)
+    assert len(lines) == 1 and "train_time_interval=1:00:00" in lines[0] and "every_n_train_steps" in lines[0]
 
 
 class InjectFailures(Callback):
@@ -548,7 +652,10 @@ def test_a_bug_in_the_epoch_figures_warns_once_and_training_goes_on(tmp_path, mo
     fit.fit(MNIST1DClassifier(arch="mlp"), data())
     assert fit.current_epoch == 3
     messages = energy_warnings(recwarn)
-    assert messages == ["EnergyLogger: on_train_epoch_end failed (KeyError: 'figures bug')."]
+    assert messages == [  # each once in 3 epochs: the read-out at each validation, the epoch end's figures
+        "EnergyLogger: reading the running total failed (KeyError: 'figures bug').",
+        "EnergyLogger: on_train_epoch_end failed (KeyError: 'figures bug').",
+    ]
     assert energy.report["total"]["steps"] == 36 and leftover_threads() == []
 
 

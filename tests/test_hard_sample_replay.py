@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
@@ -1169,3 +1169,72 @@ def test_a_half_life_in_epochs_warns_where_a_manual_module_steps_two_optimizers_
         assert "score_half_life='400steps'" in warnings_seen[0]
     else:
         assert warnings_seen == []
+
+
+class _PlateauOnTrainLoss(MNIST1DClassifier):
+    """The example classifier with Lightning's documented ReduceLROnPlateau config, on its training loss."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss_mean", loss, on_step=False, on_epoch=True)  # `train_loss_mean` (no fork)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=100)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss_mean"}}
+
+
+def _replay_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith("HardSampleReplay:")]
+
+
+def test_monitors_of_a_training_loss_are_warned_once_that_replay_phases_raise_it(tmp_path):
+    """Sweep 41: replay phases train the hardest samples, so a loss logged in training_step rises in every
+    epoch holding one while the model improves; `ReduceLROnPlateau(monitor="train_loss_epoch")` cut a pulse
+    run's learning rate 4x (a plain run's never), with no word. Now one warning, at the fit's first epoch end
+    (the logged keys are known then, before any epoch-end monitor reads them), names each monitor of a
+    training-loop key, why, and the way out; a monitor of a validation metric is not named."""
+    pl.seed_everything(0)
+    cycle = PulseCycle(burst=6, replay=6, maintain=0, warmup=0.0, anneal=0.0)
+    stop = EarlyStopping(monitor="train_loss", patience=100)
+    best = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss_mean")
+    fine = EarlyStopping(monitor="val_loss", patience=100)  # a validation metric: not named
+    trainer = pl.Trainer(
+        callbacks=[cycle, HardSampleReplay(), stop, best, fine],
+        max_epochs=3,
+        **trainer_kwargs(enable_checkpointing=True, limit_val_batches=1, default_root_dir=tmp_path),
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(_PlateauOnTrainLoss(arch="mlp"), _data())
+
+    lines = [line for line in _replay_warnings(record) if "a figure logged in the training loop" in line]
+    assert len(lines) == 1, lines  # once a fit, not at every epoch end
+    line = lines[0]
+    assert line.startswith(
+        "HardSampleReplay: EarlyStopping(monitor='train_loss'); ModelCheckpoint(monitor='train_loss_mean'); "
+        "ReduceLROnPlateau (lr_scheduler config monitor='train_loss_mean') monitor a figure logged in the "
+        "training loop"
+    )
+    assert "['replay']" in line and "hardest samples" in line and "Monitor a validation metric" in line
+    assert "val_loss'" not in line
+
+
+@pytest.mark.parametrize("rule", ["topk", "random"])
+def test_no_monitor_warning_for_validation_monitors_or_a_rule_that_keeps_the_loss_the_datas(rule):
+    """`rule="random"` trains a uniform subset (the figure stays an estimate of the data's): not warned,
+    nor is a monitor of a validation metric under any rule."""
+    pl.seed_everything(0)
+    cycle = PulseCycle(burst=6, replay=6, maintain=0, warmup=0.0, anneal=0.0)
+    monitor = "train_loss" if rule == "random" else "val_loss"
+    trainer = pl.Trainer(
+        callbacks=[cycle, HardSampleReplay(rule=rule), EarlyStopping(monitor=monitor, patience=100)],
+        max_epochs=2,
+        **trainer_kwargs(limit_val_batches=1),
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(MNIST1DClassifier(arch="mlp"), _data())
+    assert trainer.current_epoch == 2
+    assert not [line for line in _replay_warnings(record) if "monitor" in line]

@@ -180,6 +180,54 @@ def test_set_callback_metric_is_visible_through_the_public_callback_metrics():
     assert float(trainer.callback_metrics["energy/total_kwh"]) == 0.25
 
 
+def test_checkpoints_monitoring_a_key_give_their_step_intervals_and_time_intervals():
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    key = "energy/total_kwh"
+    hourly = timedelta(hours=1)
+    checkpoints = [
+        ModelCheckpoint(monitor=key, every_n_train_steps=5),
+        ModelCheckpoint(monitor=key, every_n_train_steps=3, save_top_k=-1),
+        ModelCheckpoint(monitor=key, train_time_interval=hourly),
+        ModelCheckpoint(monitor="val_loss", every_n_train_steps=2),
+        ModelCheckpoint(monitor=key),  # at validation or epoch ends only
+    ]
+    trainer = pl.Trainer(callbacks=checkpoints, **trainer_kwargs(enable_checkpointing=True))
+    assert compat.checkpoints_monitoring(trainer, key) == ((3, 5), [hourly])
+    assert compat.checkpoints_monitoring(trainer, "train_loss") == ((), [])
+
+
+class _TrainingKeyMonitors(pl.Callback):
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.found = compat.training_key_monitors(trainer)
+
+
+def test_training_key_monitors_names_the_monitors_of_keys_logged_in_the_training_loop(
+    mnist1d_small, tmp_path
+):
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    model, data = (
+        mnist1d_small()
+    )  # logs `train_loss` in training_step, `val_loss` and `val_acc` in validation
+    probe = _TrainingKeyMonitors()
+    callbacks = [
+        probe,
+        EarlyStopping(monitor="train_loss", patience=9),
+        EarlyStopping(monitor="val_loss", patience=9),
+        ModelCheckpoint(dirpath=tmp_path, monitor="train_loss"),
+    ]
+    options = trainer_kwargs(enable_checkpointing=True, limit_train_batches=2, limit_val_batches=1)
+    trainer = pl.Trainer(callbacks=callbacks, max_epochs=1, default_root_dir=tmp_path, **options)
+    trainer.fit(model, data)
+    assert probe.found == [
+        ("EarlyStopping(monitor='train_loss')", "train_loss"),
+        ("ModelCheckpoint(monitor='train_loss')", "train_loss"),
+    ]
+
+
 class _HookOrder(pl.Callback):
     def __init__(self, name: str, calls: list[str], appends: pl.Callback | None = None) -> None:
         self.name, self.calls, self.appends = name, calls, appends

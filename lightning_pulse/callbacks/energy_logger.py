@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
+from lightning_pulse.callbacks._monitored_total import MonitoredTotal
 from lightning_pulse.callbacks.pulse_cycle import phase_of, pulse_cycle_of
 from lightning_pulse.energy.account import (
     EnergyAccount,
@@ -45,8 +46,6 @@ from lightning_pulse.energy.config import (
 from lightning_pulse.errors import FitRestores, names_itself, refuse_unwritable_dir
 from lightning_pulse.loggers import log_closed_epoch, log_to_loggers, logger_run, run_folder
 
-MONITORABLE = ("energy/total_kwh",)
-
 
 class EnergyLogger(compat.PulseStateKey, Callback):
     r"""Meters the energy of training and reports it per phase, cycle, epoch and in total.
@@ -72,8 +71,7 @@ class EnergyLogger(compat.PulseStateKey, Callback):
 
     Args:
         country_iso_code: 3-letter ISO code (``"DEU"``, ``"BRA"``); gives the carbon intensity from
-            codecarbon's offline data when ``carbon_intensity`` is not set, and the country of codecarbon's
-            tracker.
+            codecarbon's offline data when ``carbon_intensity`` is not set, and the country of its tracker.
         carbon_intensity: gCO2eq/kWh as a number, or the path of a CSV series (``Time,Carbon Intensity`` or
             ``timestamp,value``, UTC). ``None`` and no country: CO2 is not reported.
         price_per_kwh: electricity price per kWh as a number or a CSV series path; ``None``: no cost.
@@ -141,8 +139,8 @@ class EnergyLogger(compat.PulseStateKey, Callback):
             self._trainer: weakref.ReferenceType[pl.Trainer] | None = None  # weak: not its model and data
             self._fit_restores = FitRestores()
             self._held = compat.CollectiveHold()  # gathered figures, until gloo's worker lets go of them
-            self._in_train_loop = False
-            self._log_steps = False
+            self._in_train_loop = self._log_steps = False
+            self._monitored = MonitoredTotal()  # `energy/total_kwh` where monitors read it between epoch ends
 
     # ------------------------------------------------------------------ public API
     def energy_so_far_kwh(self) -> float:
@@ -162,8 +160,7 @@ class EnergyLogger(compat.PulseStateKey, Callback):
         refuse_overwriting_baseline(self.accounting.baseline, self.report_dir, lambda: run_folder(trainer))
         self._trainer, self._in_train_loop = weakref.ref(trainer), False
         self.report, self.report_paths = None, []
-        # every rank, outside the meters' start (where an error only disables a rank, which would then miss
-        # the gather the others wait in): a refusal of process mode is decided together
+        # every rank, outside the meters' start (an error there disables one rank, which misses the gather)
         meters, rank = (self.meters, self.cpu, self.ram), (trainer.node_rank, trainer.local_rank)
         refuse_uncounted_processes(*meters, self._collective(trainer), *rank)
         self.account.refuse_changed_currency()  # a cost in EUR and one in USD do not add up
@@ -199,6 +196,7 @@ class EnergyLogger(compat.PulseStateKey, Callback):
             if (line := no_forecast_line(compat.total_steps(trainer), len(trainer.optimizers))) is not None:
                 rank_zero_info(line)
         self.account.log_steps_every(self.accounting.log_every_n_steps, trainer.log_every_n_steps)
+        self._monitored.fit_starts(trainer)  # the steps a ModelCheckpoint(every_n_train_steps) reads it at
         self._log_steps = trainer.is_global_zero and bool(trainer.loggers)
         cycle = getattr(pulse_cycle_of(trainer), "cycle", None)
         self.account.mark_training(phase_of(trainer).value, cycle, trainer.current_epoch)  # the epoch too
@@ -238,12 +236,19 @@ class EnergyLogger(compat.PulseStateKey, Callback):
         self.account.batch_ended()
         if self._log_steps and (metrics := self.account.due_step_metrics(trainer.global_step)) is not None:
             log_to_loggers(trainer, metrics)
+        if self._monitored.steps and self._monitored.due_at(trainer.global_step):  # ModelCheckpoint's after
+            self._monitored.read_out(trainer, self.account, self._collective(trainer))
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.account.skip_gap()
         if not trainer.sanity_checking:
             self.account.mark(stage="validation")
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._in_train_loop:  # a fit's validation (not its sanity check), before any monitor's check
+            self._monitored.read_out(trainer, self.account, self._collective(trainer))
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -259,12 +264,7 @@ class EnergyLogger(compat.PulseStateKey, Callback):
         )
         if forecast is not None:
             rank_zero_info(forecast_message(forecast))
-        # the total into `trainer.callback_metrics`, so ModelCheckpoint / EarlyStopping can monitor it (the
-        # same figure on every rank: it is combined over ranks). Not `pl_module.log`: it costs about 0.5 ms
-        # per call, a tenth of a small training step.
-        for name in MONITORABLE:
-            if name in metrics:
-                compat.set_callback_metric(trainer, name, metrics[name])
+        self._monitored.publish(trainer, metrics.get("energy/total_kwh"))  # for monitors: combined over ranks
         log_to_loggers(trainer, metrics)
         self._log_cycles(trainer, None, settled=True)  # cycles that waited for a first reading: it is taken
 

@@ -200,8 +200,7 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
     def _choose(
         self, windows: list[list[int]], ordinals: list[int], steps: list[int], prior: float
     ) -> list[Any]:
-        # steps mode, at the sampler: the batches that train, chosen for a whole pass before any is loaded. A
-        # method, not a closure: the callback pickles (ddp_spawn) and benchmarks' HookTimer times it
+        # steps mode, at the sampler: a pass's batches before any loads. A method: pickled, timed by HookTimer
         assert self._trainer is not None
         return self.data.choose(windows, ordinals, steps, prior, self._trainer.global_rank)
 
@@ -272,6 +271,7 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.on_train_epoch_end(trainer)  # steps mode: an epoch that drew no batch is refused
+        _warn(self.data.monitor_note(lambda: compat.training_key_monitors(trainer), self.phases))
         if (selector := self.data.selector) is not None:
             selector.apply()  # the next epoch selects from every score of this one
             self._log(trainer, epoch_end=True)

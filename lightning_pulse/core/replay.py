@@ -531,6 +531,33 @@ def shorter_than_an_epoch(
     )
 
 
+def training_monitor_note(
+    rule: str, monitors: Callable[[], Sequence[tuple[str, str]]], phases: Sequence[str]
+) -> str | None:
+    """What to say (completes "HardSampleReplay: ") of a monitor that reads a figure logged in the training
+    loop, ``monitors()`` giving ``(the monitor, its key)`` pairs: with ``rule="topk"`` the steps of ``phases``
+    train the hardest samples only, so a training loss (accuracy, any metric updated there) is theirs, not the
+    data's: it rises when a replay phase starts because the samples are harder, not because the model got
+    worse, and falls when it ends. An EarlyStopping, ModelCheckpoint or ``ReduceLROnPlateau`` reads that as a
+    plateau or a regression (a held-out pulse run: ``train_loss_epoch`` 0.138 before a replay phase, 0.229 in
+    it; ``ReduceLROnPlateau`` on it cut the learning rate 4x, while a plain run trained every epoch at the
+    first). ``None`` without such a monitor, and for ``"random"`` (a uniform subset) and ``"infobatch"``
+    (weighted to the loaded data's mean), which keep the figure the loaded data's: ``monitors`` is not called
+    then."""
+    if rule != "topk" or not (found := list(monitors())):
+        return None
+    names = "; ".join(monitor for monitor, _ in found)
+    return (
+        f"{names} {'monitors' if len(found) == 1 else 'monitor'} a figure logged in the training loop "
+        "(training_step), but HardSampleReplay trains its selecting steps (the phases "
+        f"{list(phases)} of a PulseCycle; every step without one) on the hardest samples only (rule='topk'), "
+        "so there the figure is theirs, not the data's: it rises when a replay phase starts (harder samples, "
+        "not a worse model) and falls when it ends, and the monitor reads that as a plateau or a regression "
+        "(a learning-rate cut, an early stop, a best checkpoint missed). Monitor a validation metric instead "
+        "(logged in validation_step, e.g. `val_loss`)."
+    )
+
+
 def uncut_batches_refusal(mode: str, config: ReplayConfig, batch_size: int) -> str | None:
     """Why ``mode="batch"`` can never cut the run's batches of ``batch_size`` samples (a cut keeps
     :data:`MIN_COMPOSED` samples or more, and fewer than offered), so that the run would train as without the

@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -36,6 +36,7 @@ from lightning_pulse.core.replay import (
     reloaded_data_note,
     several_loaders_refusal,
     shorter_than_an_epoch,
+    training_monitor_note,
     uncut_batches_refusal,
 )
 from lightning_pulse.core.sample_index import SampleIndexTracker
@@ -73,6 +74,7 @@ class ReplayData:
         # a checkpoint's scores loaded before any data, until a DataLoader sizes the table
         self._restored: dict[str, Any] | None = None
         self._set_up_at = (0, 0)  # (epoch, step) of the latest DataLoader's set-up
+        self._monitors_due = False  # monitor_note's once a fit: from start_training to the first epoch end
 
     # ------------------------------------------------------------------ the data
     def loader_refusal(
@@ -175,6 +177,19 @@ class ReplayData:
             warn(epoch_half_life_note(self.half_life, steps_per_epoch, optimizers))
         warn(shorter_than_an_epoch(planned_steps, steps_per_epoch, mode))
         self.selector.set_cadence(steps_per_epoch, log_every)
+        self._monitors_due = True
+
+    def monitor_note(
+        self, monitors: Callable[[], Sequence[tuple[str, str]]], phases: Sequence[str]
+    ) -> str | None:
+        """Once a fit (its first epoch end, where the keys the training loop logs are known): what to say of
+        ``monitors()``, the ``(monitor, key)`` pairs whose key the training loop logged
+        (:func:`~lightning_pulse.core.replay.training_monitor_note`); ``monitors`` is not called for a rule
+        that leaves the training loss the loaded data's."""
+        if not self._monitors_due:
+            return None
+        self._monitors_due = False
+        return training_monitor_note(self.config.rule, monitors, phases)
 
     def epoch_length(self, steps_per_epoch: int | None) -> None:
         """The epoch starting is ``steps_per_epoch`` optimizer steps (a ``GradientAccumulationScheduler``

@@ -1002,20 +1002,7 @@ class EnergyAccount:
         """The figures logged at an epoch end, and the run's forecast when this epoch made the first one
         (``total_batches``: the run's batches, all ranks together; see :func:`predict_run`)."""
         epoch_key = f"epoch/{epoch}"
-        single = self._single(collective)
-        if not self._settled_once and (self.metering if single else not self._total_seen):
-            # a meter still starting in the background (a first epoch shorter than codecarbon's start) has no
-            # reading yet: wait for it here, off the run's figures, so the epoch logs an estimate rather than
-            # no figure (a monitored `energy/total_kwh` must exist) or a 0 nobody measured. Once a fit: a
-            # start that hangs costs its timeout once, not at every epoch end. Under DDP every rank waits,
-            # together (one `all_gather` asks whether any rank's meter is starting, at each epoch end until
-            # the run has a figure): a rank that waited alone would make the others wait for it in the next
-            # collective, inside their training time, and a rank that did not wait would log no figure. The
-            # condition is the same on every rank (`metering` may not be: a rank can be disabled alone)
-            # A start that does not finish within the wait is given up there: its chain falls back (one
-            # warning) to an estimate over the whole span, never a 0 that no meter counted
-            if self._settle_together(collective, after=self.ledger.label.stage if self.ledger else "other"):
-                self._settled_once = True
+        self._settle_for_total(collective)
         snapshot = self.snapshot(
             collective, keys=lambda key: key == "total" or key == epoch_key or key.startswith("phase/")
         )
@@ -1025,7 +1012,7 @@ class EnergyAccount:
         row = groups["epochs"].get(str(epoch))  # its figures are logged when it closes: closed_epoch_metrics
         metrics: dict[str, float | None] = {}
         total = groups["total"]
-        # the same on every rank (combined over ranks), as the condition of the wait above must be
+        # the same on every rank (combined over ranks), as the condition of the wait must be
         self._total_seen = self._total_seen or total["energy_kwh"] is not None
         self.warn_if_unmetered(total)
         metrics.update(
@@ -1058,6 +1045,39 @@ class EnergyAccount:
                 metrics["energy/predicted_duration_s"] = forecast["duration_s"]
                 metrics["energy/predicted_co2_kg"] = forecast["co2_kg"]
         return _present(metrics), forecast
+
+    def running_total_kwh(self, collective: Collective | None = None) -> float | None:
+        """``energy/total_kwh`` between epoch ends, for a monitor that reads it there (a fit-time validation,
+        a ``ModelCheckpoint(every_n_train_steps=...)`` save): the run's energy so far, all ranks combined, the
+        figure an epoch end would give at this moment, after the same wait for a meter still starting
+        (``None``: nothing metered). Every rank calls it at the same point (under DDP it gathers)."""
+        self._settle_for_total(collective)
+        buckets = self.snapshot(collective, keys=lambda key: key == "total")["buckets"]
+        total = grouped_figures(
+            {"total": buckets.get("total", {})}, self.intensity is not None, self.price is not None
+        )["total"]
+        self._total_seen = (
+            self._total_seen or total["energy_kwh"] is not None
+        )  # combined: the same everywhere
+        return total["energy_kwh"]
+
+    def _settle_for_total(self, collective: Collective | None) -> None:
+        """Before a read-out of the monitored total (an epoch end, :meth:`running_total_kwh`): wait for a
+        meter still starting, once a fit, so that the total exists."""
+        single = self._single(collective)
+        if not self._settled_once and (self.metering if single else not self._total_seen):
+            # a meter still starting in the background (a first epoch shorter than codecarbon's start) has no
+            # reading yet: wait for it here, off the run's figures, so the epoch logs an estimate rather than
+            # no figure (a monitored `energy/total_kwh` must exist) or a 0 nobody measured. Once a fit: a
+            # start that hangs costs its timeout once, not at every epoch end. Under DDP every rank waits,
+            # together (one `all_gather` asks whether any rank's meter is starting, at each epoch end until
+            # the run has a figure): a rank that waited alone would make the others wait for it in the next
+            # collective, inside their training time, and a rank that did not wait would log no figure. The
+            # condition is the same on every rank (`metering` may not be: a rank can be disabled alone)
+            # A start that does not finish within the wait is given up there: its chain falls back (one
+            # warning) to an estimate over the whole span, never a 0 that no meter counted
+            if self._settle_together(collective, after=self.ledger.label.stage if self.ledger else "other"):
+                self._settled_once = True
 
     def cycle_metrics(self, cycle: int, collective: Collective | None = None) -> dict[str, float] | None:
         """The figures of a completed pulse cycle (``None`` if it has no bucket)."""
