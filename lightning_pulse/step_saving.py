@@ -55,6 +55,7 @@ from lightning_pulse.core.step_plan import (
     StepPlan,
     StepSavingStream,
     budget_shortfall,
+    nothing_to_choose_note,
     plan_settings,
     plan_summary,
     resumed_plan_change,
@@ -350,7 +351,8 @@ class StepSavingLoader:
             else ""
         )
         rank_zero_info(
-            f"HardSampleReplay: {plan_summary(plan, budget, run_steps)}; trainer.max_steps={cap}{ends_sooner}"
+            f"HardSampleReplay: {plan_summary(plan, budget, run_steps, batches.batch_size)}; "
+            f"trainer.max_steps={cap}{ends_sooner}"
             + (
                 " (one more for StochasticWeightAveraging's BatchNorm-update epoch)"
                 if batch_norm_step
@@ -358,6 +360,8 @@ class StepSavingLoader:
             )
             + remade
         )
+        if note := nothing_to_choose_note(plan, batches.batch_size, fraction, len(sampler)):
+            rank_zero_warn(f"HardSampleReplay: {note}")
         return plan
 
     def _join_run_under_way(self, trainer: pl.Trainer, plain_batches: int) -> None:

@@ -5,7 +5,9 @@ term for low-weight classes), terms whose coefficients change from step to step 
 distillation KL on flattened ``(B*T, V)`` token logits with ``reduction="batchmean"`` (counted ``T`` times
 next to the token cross-entropy) and a token cross-entropy with ``reduction="sum"`` and ``-100`` labels or
 class weights (counted ``numel / counted weight`` times next to another term); a regression loss on squeezed
-outputs, 0-d for a batch of one sample (Hugging Face's ``num_labels=1`` head), refused at the first step."""
+outputs, 0-d for a batch of one sample (Hugging Face's ``num_labels=1`` head), refused at the first step; a loss
+``training_step`` also differentiates with ``torch.autograd.grad`` (FGSM, an input-gradient penalty), counted
+twice; a PINN's initial condition on ``B`` fixed points (buffers), split over the batch's ``B`` samples."""
 
 from __future__ import annotations
 
@@ -538,3 +540,123 @@ def test_a_batch_of_one_under_autocast_with_cast_labels_is_refused_naming_the_wa
     scores = torch.as_tensor(replay.table.scores[scored], dtype=torch.float32)
     assert len(scored) >= N // 2
     assert torch.allclose(scores, torch.tensor([module.expected[i] for i in scored]), rtol=1e-6)
+
+
+class _InputGradient(_Recording):
+    """A loss ``training_step`` also differentiates with ``torch.autograd.grad``: FGSM adversarial training (the
+    clean term's input gradient picks the attack) or an input-gradient penalty on it, next to a second
+    captured term, so that each term's coefficient is read from the backward."""
+
+    def __init__(self, form: str, manual: bool = False) -> None:
+        super().__init__()
+        self.form = form
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        x, y, indices = batch
+        x = x.clone().requires_grad_(True)
+        logits = self.net(x)
+        clean = F.cross_entropy(logits, y)
+        if self.form == "fgsm":
+            grad = torch.autograd.grad(clean, x, retain_graph=True)[0]
+            attacked = (x + 0.3 * grad.sign()).detach()
+            second = F.cross_entropy(self.net(attacked), y)
+            with torch.no_grad():
+                own = F.cross_entropy(self.net(attacked), y, reduction="none")
+            loss = clean + second
+        else:  # a gradient penalty, not a captured call: it is in no score
+            grad = torch.autograd.grad(clean, x, create_graph=True)[0]
+            second = 0.5 * F.mse_loss(logits, x[:, :CLASSES].detach())
+            with torch.no_grad():
+                own = 0.5 * F.mse_loss(logits, x[:, :CLASSES], reduction="none").mean(1)
+            loss = clean + second + 0.1 * grad.pow(2).sum()
+        with torch.no_grad():
+            self.record(indices, F.cross_entropy(logits, y, reduction="none") + own)
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("form", "manual"),
+    [("fgsm", False), ("gradient-penalty", False), ("fgsm", True)],
+    ids=["fgsm", "input-gradient-penalty", "fgsm-manual-optimization"],
+)
+def test_a_loss_training_step_also_differentiates_with_autograd_grad_counts_once_in_the_scores(
+    form, manual, tmp_path
+):
+    # held-out sweep (forty-first pass): the captured call's hook also added the gradient of the
+    # `torch.autograd.grad` pass inside training_step, so FGSM's clean term was read at coefficient 2 and each
+    # sample scored `2 * clean + adv` (max relative error 0.48 against its loss)
+    module = _InputGradient(form, manual)
+    scores, expected = module.scored(_fit(module, steps=4, default_root_dir=tmp_path))
+    assert len(module.expected) == N
+    assert torch.allclose(scores, expected, rtol=1e-5, atol=1e-6)
+
+
+POINTS = 16  # a batch of collocation points; the initial condition's fixed points number POINTS or 2 * POINTS
+
+
+class _HeatPINN(pl.LightningModule):
+    """A PINN for ``u_t = 0.1 u_xx``: collocation points from the DataLoader (no labels), made ready for their
+    derivatives as PINN code does (``x.clone().requires_grad_(True)``, which cuts autograd's link to the batch
+    tensor), and an initial condition on fixed points held as buffers. Frozen (lr 0): each point's score
+    should be its own squared residual."""
+
+    def __init__(self, initial_points: int, form: str = "buffer") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+        where = torch.rand(initial_points, 1, generator=torch.Generator().manual_seed(1))
+        self.register_buffer("ic_points", torch.cat([torch.zeros_like(where), where], 1))
+        self.register_buffer("ic_values", torch.sin(torch.pi * where))
+        self.form = form
+        self.expected: dict[int, float] = {}
+
+    def residual(self, points: Tensor) -> Tensor:
+        points = points.clone().requires_grad_(True)
+        du = torch.autograd.grad(self.net(points).sum(), points, create_graph=True)[0]
+        u_xx = torch.autograd.grad(du[:, 1].sum(), points, create_graph=True)[0][:, 1:]
+        return du[:, :1] - 0.1 * u_xx
+
+    def training_step(self, batch, batch_idx):
+        points, indices = batch
+        residual = self.residual(points)
+        self.expected.update(zip(indices.tolist(), residual.detach().squeeze(1).pow(2).tolist()))
+        pde = F.mse_loss(residual, torch.zeros_like(residual))
+        if self.form == "buffer":
+            initial = F.mse_loss(self.net(self.ic_points), self.ic_values)
+        else:  # a Neumann-style condition: the fixed points made ready for a derivative, the target computed
+            fixed = self.ic_points.clone().requires_grad_(True)
+            slope = torch.autograd.grad(self.net(fixed).sum(), fixed, create_graph=True)[0][:, 1:]
+            initial = F.mse_loss(slope, torch.cos(torch.pi * self.ic_points[:, 1:]))
+        return pde + initial
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize(
+    ("initial_points", "form"),
+    [(POINTS, "buffer"), (2 * POINTS, "buffer"), (POINTS, "derivative")],
+    ids=["b-points", "2b-points", "b-points-derivative"],
+)
+def test_a_term_on_the_modules_own_points_is_left_out_and_each_point_scores_its_own_residual(
+    initial_points, form, tmp_path
+):
+    # held-out sweep (forty-first pass): an initial condition on B fixed points (buffers) was split row by row
+    # over the batch's B collocation points (rank correlation 0.03 of the scores with the points' own
+    # residuals); on 2B points the fit was refused as rows that do not flatten the batch
+    module = _HeatPINN(initial_points, form)
+    points = torch.rand(4 * POINTS, 2, generator=torch.Generator().manual_seed(0))
+    replay = HardSampleReplay(mode="batch")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=4, callbacks=[replay], default_root_dir=tmp_path))
+    trainer.fit(module, DataLoader(TensorDataset(points, torch.arange(4 * POINTS)), batch_size=POINTS))
+    assert replay.batches.unscored_steps == 0 and len(module.expected) == 4 * POINTS
+    indices = sorted(module.expected)
+    scores = torch.as_tensor(replay.table.scores[indices], dtype=torch.float64)
+    expected = torch.tensor([module.expected[index] for index in indices], dtype=torch.float64)
+    assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-9)

@@ -1112,3 +1112,74 @@ def test_a_center_loss_on_a_learned_table_is_left_out_as_a_penalty_not_refused()
             (2 * features)[present], centers[present].detach()
         )
     assert not capture.maps_onto_batch and "picked by an index or a mask" in capture.describe()
+
+
+class _PointsNet(nn.Module):
+    """A small network holding 8 fixed points and their values (buffers) and one tensor attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.shift = nn.Parameter(torch.zeros(2))
+        self.register_buffer("fixed", torch.rand(8, 2))
+        self.register_buffer("values", torch.rand(8, 1))
+        self.anchors = torch.rand(8, 2)
+
+
+def _slope(net: nn.Module, points: torch.Tensor) -> torch.Tensor:
+    points = points.clone().requires_grad_(True)
+    return torch.autograd.grad(net(points).sum(), points, create_graph=True)[0][:, 1:]
+
+
+_OWN_POINTS = {  # terms of 8 rows, next to a batch of 8 points, computed from the module's tensors alone
+    "buffer": lambda m, x: F.mse_loss(m.net(m.fixed), m.values),
+    "tensor-attribute": lambda m, x: F.mse_loss(m.net(m.anchors), m.values),
+    "target-computed-in-the-step": lambda m, x: F.mse_loss(m.net(m.fixed), torch.sin(m.fixed[:, 1:])),
+    "derivative-on-a-copy": lambda m, x: F.mse_loss(_slope(m.net, m.fixed), torch.zeros(8, 1)),
+}
+_BATCH_POINTS = {  # terms of the batch's points, however the step reached them
+    "residual-on-x-clone": lambda m, x: F.mse_loss(_slope(m.net, x), torch.zeros(8, 1)),
+    "x-detach-requires-grad": lambda m, x: F.mse_loss(m.net(x.detach().requires_grad_()), torch.zeros(8, 1)),
+    "x-plus-a-parameter": lambda m, x: F.mse_loss(m.net(x + m.shift), torch.zeros(8, 1)),
+    "x-augmented-in-the-step": lambda m, x: F.mse_loss(m.net(2 * x + 1), torch.zeros(8, 1)),
+    "the-modules-points-against-the-labels": lambda m, x: F.mse_loss(m.net(m.fixed), x[:, :1]),
+}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("form", sorted(_OWN_POINTS) + sorted(_BATCH_POINTS))
+def test_a_term_of_b_rows_on_the_modules_own_tensors_is_left_out_one_on_the_batch_is_kept(form, autocast):
+    # held-out sweep (forty-first pass): a PINN's initial condition on B points held as buffers was split over
+    # the batch's B samples. The batch is told by what the rows' graph reads (storage, or value for a copy):
+    # `x.clone().requires_grad_(True)` cuts autograd's link to the batch tensor and still counts as the batch's
+    module, x = _PointsNet(), torch.rand(8, 2, generator=torch.Generator().manual_seed(1))
+    term = {**_OWN_POINTS, **_BATCH_POINTS}[form]
+    with LossCapture(batch_size=8, batch=(x,), module=module) as capture:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            term(module, x)
+    (record,) = capture.records
+    if form in _OWN_POINTS:
+        assert not record.maps_onto_batch and not capture.maps_onto_batch
+        assert "computed from the module's own tensors" in record.why_not
+    else:
+        assert record.maps_onto_batch
+    # without the module (LossCapture used alone) nothing is left out, as before
+    with LossCapture(batch_size=8, batch=(x,)) as capture:
+        term(module, x)
+    assert capture.records[0].maps_onto_batch
+
+
+def test_a_call_site_that_computes_a_batch_term_and_a_term_on_the_modules_points_is_judged_call_by_call():
+    module, x = _PointsNet(), torch.rand(8, 2)
+    sources: dict = {}
+
+    def term(points, values):
+        return F.mse_loss(module.net(points), values)  # one call site for both terms
+
+    for serial in (1, 2, 3):
+        with LossCapture(batch_size=8, batch=(x,), module=module) as capture:
+            capture.row_sources, capture.serial = sources, serial
+            for points, values in ((module.fixed, module.values), (x, torch.zeros(8, 1))):
+                term(points, values)
+        assert [record.maps_onto_batch for record in capture.records] == [False, True]

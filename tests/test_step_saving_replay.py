@@ -1255,3 +1255,52 @@ def test_an_epoch_that_draws_no_batch_while_planned_steps_remain_is_refused_not_
     assert (
         trainer.global_step == first_steps and trainer.current_epoch < 10
     )  # refused at once, not at epoch 25
+
+
+class _FullBatchRegression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("samples", [32, 64], ids=["one-batch-epochs", "two-batch-epochs"])
+def test_full_batch_training_in_steps_mode_is_said_at_fit_start_and_its_end_names_why_nothing_was_selected(
+    samples, tmp_path
+):
+    # held-out sweep (forty-first pass): a full-batch PINN under the default steps mode planned "1.000x" with no
+    # reason, and its end said no sample "had a score yet" although every sample was scored at every step: a
+    # window of B / replay_fraction indices cannot go beyond an epoch of one batch, so there was nothing to choose
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 4, generator=generator)
+    data = TensorDataset(x, x[:, :1] * 2 + torch.randn(samples, 1, generator=generator))
+    replay = HardSampleReplay(replay_fraction=0.5)
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=3, callbacks=[replay], default_root_dir=tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_FullBatchRegression(), DataLoader(data, batch_size=32, shuffle=True))
+    said = [str(w.message) for w in caught if "HardSampleReplay" in str(w.message)]
+    at_start = [text for text in said if "can select nothing" in text]
+    if samples == 64:  # a window of 64 out of two batches' epoch: selects
+        assert not at_start and replay.metrics()["replay_fraction"] < 1
+        return
+    assert len(at_start) == 1 and "an epoch holds 32 samples (one batch" in at_start[0]
+    assert "Use mode='batch'" in at_start[0] and "batch_size well below" in at_start[0]
+    end = [text for text in said if "nothing was selected" in text]
+    assert len(end) == 1 and "none had more samples to choose from than it trains" in end[0]
+    assert "had a score yet" not in end[0] and (replay.table.steps >= 0).all()
+    plan = plan_steps(None, ["replay"], 32, 0.5, 32, 3, None)
+    assert "none of which can choose" in plan_summary(plan, None, batch_size=32)
+    assert "none of which can choose" not in plan_summary(plan, None)
+    # the way out it names selects
+    replay = HardSampleReplay(replay_fraction=0.5, mode="batch")
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=3, callbacks=[replay], default_root_dir=tmp_path))
+    trainer.fit(_FullBatchRegression(), DataLoader(data, batch_size=32, shuffle=True))
+    assert replay.metrics()["replay_fraction"] < 1

@@ -220,7 +220,9 @@ class CapturedLoss:
     def watch(self, output: Tensor) -> Tensor:
         """Add up, during every backward that reaches it, the gradient of the loss with respect to ``output``
         (what the caller got): its part in the loss that is backpropagated. A hook, not a pass of its own; one
-        registered before the caller scales ``output`` in place still sees the value as returned."""
+        registered before the caller scales ``output`` in place still sees the value as returned. What a
+        ``torch.autograd.grad`` inside ``training_step`` adds is no part of it:
+        :meth:`LossCapture.backward_starts` drops it."""
         if output.requires_grad:
             output.register_hook(self._add_grad)
             self.node = output.grad_fn
@@ -643,6 +645,10 @@ class LossCapture:
             such as ``ids[None]``), as its target (or a slice of it: ``ids[1:]``) or as a layer's input, is on
             the batch's rows, and makes the step unsplittable, also with ``N - 1`` rows (a next-token shift);
             without it, such a call is left out as a penalty on the weights is.
+        module: the module training, for its own tensors (parameters, buffers, tensor attributes; not kept past
+            :meth:`close`): a call of ``B`` rows (or a multiple) that reads none of the batch's tensors and only
+            the module's own (an initial condition's points held as a buffer) is left out, as a penalty on the
+            weights is (:meth:`_rows_of_the_module`); without it, such a call is split into the samples.
 
     Example::
 
@@ -658,6 +664,7 @@ class LossCapture:
         sample_weights: Tensor | None = None,
         offered: int | None = None,
         batch: Any = None,
+        module: torch.nn.Module | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size`={batch_size!r} must be a positive int.")
@@ -684,13 +691,22 @@ class LossCapture:
         self._batch_storages = frozenset(_storage_key(leaf) for leaf in packed)
         self._joined_items = _joined_item_shapes(batch, batch_size)
         # every tensor of the batch, by storage: a batch of one sample's 0-d loss is its loss only where the
-        # call read one (views, `labels.squeeze()`, share the storage). Only a batch of one asks: not built for
-        # the others (a second walk of the batch, every step, on HardSampleReplay's per-step path)
+        # call read one (views, `labels.squeeze()`, share the storage), and a call of B rows is the module's own
+        # only where it read none. Only those ask: not built for the others (on HardSampleReplay's per-step path)
         self._all_batch_storages = (
             frozenset(_storage_key(leaf) for leaf in leaves if leaf.numel())
-            if batch_size == 1
+            if batch_size == 1 or module is not None
             else frozenset()
         )
+        # while the capture is open, with a module: the batch's tensors and the module's own (built when a call
+        # first needs them), which a call's rows are told by (_rows_of_the_module)
+        self._module = module
+        self._batch_leaves = [leaf for leaf in leaves if leaf.numel()] if module is not None else []
+        self._known: tuple[_NamedTensors, _NamedTensors] | None = None
+        # per call site, what its rows were found to read, over a fit (StepLossCaptures shares it): a set of
+        # verdicts (the module tensors' names, or None for "the batch's") and the capture that first found one
+        self.row_sources: dict[tuple[Any, ...], tuple[set[str | None], int]] = {}
+        self.serial = 0  # which step's capture this is (StepLossCaptures counts them)
         # call sites whose graph was walked and read no batch tensor of their rows' count: not walked again
         # (a walk that finds nothing walks the whole graph, ms per call);
         # StepLossCaptures shares it over a fit
@@ -720,6 +736,8 @@ class LossCapture:
         if self._entered:
             _INTERCEPTOR.pop(self)
             self._entered = False
+        # neither the module nor the batch is kept with a recorded step
+        self._module, self._batch_leaves, self._known = None, [], None
 
     @property
     def active(self) -> bool:
@@ -797,6 +815,19 @@ class LossCapture:
         for other in scales[1:]:
             first = torch.where(other.to(first.device) == first, first, torch.nan)
         return first
+
+    def backward_starts(self) -> None:
+        """The step's own backward is about to run (its first: Lightning's, or the first ``manual_backward``):
+        forget the gradients the records' hooks added until now. They came from ``torch.autograd.grad`` calls
+        inside ``training_step`` that reached a captured call (FGSM's input gradient of the clean loss, a
+        gradient penalty on ``d loss / d x``), which are no part of the loss that trains: counted, the clean
+        term's coefficient read 2, not 1, and each sample scored ``2 * clean + adv`` (a held-out sweep). A call
+        only such a pass reached (a loss computed for its input gradient alone) is then no part of the loss
+        either (:meth:`drop_unused`)."""
+        for record in self.records:
+            record.grad = None
+        self._backward_starts.clear()
+        self._per_sample_count = -1
 
     def _slots_reaching_records(self) -> list[list[Any]]:
         """The watched losses whose backward changed a record's gradient (a GAN's generator backward does
@@ -1217,6 +1248,12 @@ class LossCapture:
                     "`s[i], s[j]` pick pairs of samples), so which rows belong to which sample cannot be "
                     "known"
                 )
+        elif record.maps_onto_batch and (owned := self._rows_of_the_module(record, rows, arguments)):
+            # an initial condition on 2B points the module holds, next to a batch of B collocation points: no
+            # sample's, and no flattening of the batch either (it was refused as one)
+            record.why_not = _owned_rows_reason(record, rows, owned)
+            record.maps_onto_batch, record.on_batch_rows = False, False
+            return
         elif record.maps_onto_batch:
             # `torch.cat([view_1, view_2])` (two augmentations, SimCLR's 2B rows) or `x.repeat(k, 1)` put
             # each sample's rows B apart, not next to each other: cutting them into B runs would give one
@@ -1250,6 +1287,41 @@ class LossCapture:
             return
         record.maps_onto_batch = False
         record.on_batch_rows = True
+
+    def _rows_of_the_module(
+        self, record: CapturedLoss, rows: dict[str, Tensor], arguments: dict[str, Any]
+    ) -> str | None:
+        """The module's own tensors that ``rows`` (a call's row arguments) are computed from, named, when their
+        autograd graph reads those and nothing else: no tensor of the batch, nor one made in ``training_step``
+        (a copy, an augmentation, points drawn afresh), which may be the batch's; else ``None``.
+
+        A PINN's initial-condition term on ``B`` points held as a buffer has the batch's row count by chance:
+        split over the samples, IC point ``k``'s error went to whichever collocation point sat at row ``k``
+        (a held-out sweep: rank correlation 0.03 of the scores with the points' own residuals). The batch is
+        told by what the graph reads, not by autograd ancestry, which ``x.clone().requires_grad_(True)`` (the
+        PINN's input made ready for its derivatives) cuts: that leaf is no tensor of the module's, so the
+        residual term stays the samples'. The module's tensors are matched by storage, or by value for a copy
+        (autocast's cast of a buffer, ``self.ic.clone().requires_grad_()``). Any argument of the call that is a
+        batch tensor (the labels) makes it the batch's at once; otherwise the graph is walked, at most
+        :data:`BATCH_SEARCH_NODES` nodes (beyond: the batch's), once per call site over a fit where the site
+        gave one answer in an earlier step (a loop or a helper that computes both a batch term and a buffer's
+        at one line is walked every time)."""
+        if self._module is None or not rows:
+            return None
+        if any(isinstance(value, Tensor) and self._is_batch_tensor(value) for value in arguments.values()):
+            return None
+        site = (record.name, _call_site(), record.shape[1:])
+        found = self.row_sources.get(site)
+        if found is not None and len(found[0]) == 1 and found[1] != self.serial:
+            return next(iter(found[0]))
+        if self._known is None:
+            batch = _NamedTensors([("batch", leaf) for leaf in self._batch_leaves])
+            self._known = (batch, _NamedTensors(_module_tensors(self._module)))
+        owned = _read_only(list(rows.values()), *self._known, BATCH_SEARCH_NODES)
+        if found is None:
+            found = self.row_sources[site] = (set(), self.serial)
+        found[0].add(owned)
+        return owned
 
     def _joins_per_sample_items(self, target: Any, count: int) -> bool:
         """Whether ``target`` (``count`` rows) has the rows, trailing shape and dtype of the batch's
@@ -1315,6 +1387,10 @@ class LossCapture:
                 "parameters alone, not the batch's samples (left out: it adds the same to every sample)"
             )
             return
+        if owned := self._rows_of_the_module(record, rows, arguments):
+            record.maps_onto_batch, record.on_batch_rows = False, False
+            record.why_not = _owned_rows_reason(record, rows, owned)
+            return
         logits = arguments.get("input")
         if isinstance(logits, Tensor) and _rows_sum_over_the_batch(logits, self.batch_size):
             record.maps_onto_batch, record.on_batch_rows = False, True
@@ -1327,6 +1403,131 @@ class LossCapture:
 
 #: the arguments of a loss whose rows are its rows (the margin, embedding and triplet losses have several)
 _INPUTS = frozenset({"input", "input1", "input2", "anchor", "positive", "negative"})
+
+
+def _owned_rows_reason(record: CapturedLoss, rows: dict[str, Tensor], owned: str) -> str:
+    return (
+        f"its {record.shape[0]} rows ({_names(list(rows))}) are computed from the module's own tensors "
+        f"({owned}) and no tensor of the batch: points the module holds (an initial or boundary condition's, "
+        "anchors) whose count matches the batch's by chance (left out: it adds the same to every sample)"
+    )
+
+
+def _module_tensors(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """A module's parameters, buffers and plain tensor attributes (its submodules' too), by name."""
+    named: list[tuple[str, Tensor]] = [*module.named_parameters(), *module.named_buffers()]
+    for prefix, child in module.named_modules():
+        named += [
+            (f"{prefix}.{key}" if prefix else key, value)
+            for key, value in vars(child).items()
+            if isinstance(value, Tensor) and not isinstance(value, torch.nn.Parameter)
+        ]
+    return named
+
+
+class _NamedTensors:
+    """Tensors by name, found by storage (a view) or by value (a copy: a cast, a clone)."""
+
+    def __init__(self, named: list[tuple[str, Tensor]]) -> None:
+        self.by_storage: dict[int, str] = {}
+        self.by_count: dict[int, list[tuple[str, Tensor]]] = {}
+        for name, tensor in named:
+            if tensor.numel() > 1 and tensor.device.type != "meta":
+                self.by_storage.setdefault(_storage_key(tensor), name)
+                self.by_count.setdefault(tensor.numel(), []).append((name, tensor))
+
+    def name_of(self, tensor: Tensor) -> str | None:
+        """The name of the tensor that ``tensor`` is (a view of) or a copy of, else ``None``."""
+        name = self.by_storage.get(_storage_key(tensor))
+        if name is not None:
+            return name
+        for name, owned in self.by_count.get(tensor.numel(), ()):
+            try:
+                copy = owned.detach().reshape(-1).to(device=tensor.device, dtype=tensor.dtype)
+                if torch.equal(tensor.detach().reshape(-1), copy):
+                    return name
+            except (RuntimeError, TypeError, NotImplementedError):  # a wrapped or sparse tensor: not read
+                continue
+        return None
+
+
+def _constant(tensor: Tensor) -> bool:
+    """Whether every element of ``tensor`` is the same (``torch.zeros_like(res)``, the ones a derivative's
+    backward reads): it holds no sample. One device sync."""
+    try:
+        flat = tensor.detach().reshape(-1)
+        return bool((flat == flat[0]).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+#: nodes whose ``None`` input is an optional one left out (a convolution or a norm without bias or affine
+#: weights), not a tensor without gradient read unseen (``x + w`` saves neither operand)
+_OPTIONAL_INPUTS = frozenset(
+    {
+        "ConvolutionBackward0",
+        "NativeLayerNormBackward0",
+        "NativeBatchNormBackward0",
+        "NativeGroupNormBackward0",
+        "CudnnBatchNormBackward0",
+        "MiopenBatchNormBackward0",
+    }
+)
+
+
+def _read_only(tensors: list[Tensor], batch: _NamedTensors, module: _NamedTensors, limit: int) -> str | None:
+    """The names of the module's tensors (``module``) that ``tensors``' autograd graphs read, when they read
+    nothing else that holds data: every saved tensor without gradient (what a layer read) and every leaf that
+    is not a parameter is one of the module's (not a tensor of the ``batch`` or a copy of one, as
+    ``x.clone().requires_grad_(True)`` is, nor a tensor made in the step), or a constant (the ones a
+    derivative's backward reads); ``"its parameters and constants alone"`` when nothing else. ``None`` at the
+    first other one, at an input read unseen (an addition of a tensor without gradient saves it nowhere) and
+    past ``limit`` nodes."""
+    names: set[str] = set()
+
+    def own(tensor: Tensor) -> bool:
+        if tensor.numel() <= 1:  # a scalar holds no sample
+            return True
+        if batch.name_of(tensor) is not None:
+            return False
+        name = module.name_of(tensor)
+        if name is not None:
+            names.add(name)
+            return True
+        return _constant(tensor)
+
+    roots = []
+    for tensor in tensors:
+        if tensor.grad_fn is not None:
+            roots.append(tensor.grad_fn)
+        elif not isinstance(tensor, torch.nn.Parameter) and not own(tensor):
+            return None
+    seen, stack = set(roots), list(roots)
+    while stack:
+        if len(seen) > limit:
+            return None
+        node = stack.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # a leaf: a parameter, or an input made ready for its derivatives
+            if not isinstance(variable, torch.nn.Parameter) and not own(variable):
+                return None
+            continue
+        unseen = type(node).__name__ not in _OPTIONAL_INPUTS and any(
+            child is None for child, _ in node.next_functions
+        )
+        for saved in _saved_tensors(node):
+            if saved.requires_grad:  # an activation or a weight: the graph below it is walked
+                continue
+            unseen = False
+            if not own(saved):
+                return None
+        if unseen:
+            return None
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return ", ".join(f"`{name}`" for name in sorted(names)) or "its parameters and constants alone"
 
 
 def _computed_from_parameters(tensor: Tensor, limit: int = 4) -> bool:
@@ -2052,10 +2253,12 @@ class StepLossCaptures:
         self._open: LossCapture | None = None
         self._scope: Any = None
         self._unread_sites: set[tuple[Any, ...]] = set()  # LossCapture.unread_sites, over the fit's steps
+        self._row_sources: dict[tuple[Any, ...], Any] = {}  # LossCapture.row_sources, over the fit's steps
+        self._serial = 0
 
     def start(self) -> None:
         """Enter the fit-long scope (once)."""
-        self._unread_sites = set()  # a new fit may train another module
+        self._unread_sites, self._row_sources = set(), {}  # a new fit may train another module
         if self._scope is None:
             self._scope = loss_capture_scope()
             self._scope.__enter__()
@@ -2066,21 +2269,29 @@ class StepLossCaptures:
         sample_weights: Tensor | None = None,
         offered: int | None = None,
         batch: Any = None,
+        module: torch.nn.Module | None = None,
     ) -> None:
         """Start capturing this step's per-sample losses (the previous step's capture is dropped); the
-        weights, ``offered`` and ``batch`` as :class:`LossCapture` takes them."""
+        weights, ``offered``, ``batch`` and ``module`` as :class:`LossCapture` takes them."""
         self.drop()
         self._open = LossCapture(
-            batch_size=batch_size, sample_weights=sample_weights, offered=offered, batch=batch
+            batch_size=batch_size, sample_weights=sample_weights, offered=offered, batch=batch, module=module
         )
-        self._open.unread_sites = self._unread_sites
+        self._open.unread_sites, self._open.row_sources = self._unread_sites, self._row_sources
+        self._serial += 1
+        self._open.serial = self._serial
         self._open.__enter__()
 
-    def close(self) -> None:
+    def close(self, before_backward: bool = False) -> None:
+        """Close the step's capture; ``before_backward``: right before the step's first backward (Lightning's
+        ``on_before_backward``), which alone counts in the records' gradients
+        (:meth:`LossCapture.backward_starts`)."""
         capture, self._open = self._open, None
         if capture is not None:
             capture.close()
             self.closed = capture
+            if before_backward:
+                capture.backward_starts()
 
     def take(self) -> LossCapture | None:
         """The step's closed capture (``None`` if none was opened), which the next step will not see."""

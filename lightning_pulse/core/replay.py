@@ -760,10 +760,14 @@ TOTAL_NAMES = (
     "selected_unrecorded",
     *(f"{name}_count" for name in ROLE_NAMES),
     *(f"{name}_loss" for name in ROLE_NAMES),
+    # active steps that trained their batch whole with no choice made (steps mode's light step whose window
+    # held no more samples than the batch: full-batch training)
+    "unchosen_steps",
 )
 _STEPS, _ACTIVE_STEPS, _OFFERED, _TRAINED, _SELECTED_UNRECORDED = range(5)
 _COUNTS = slice(5, 5 + len(ROLE_NAMES))
 _SUMS = slice(5 + len(ROLE_NAMES), 5 + 2 * len(ROLE_NAMES))
+_UNCHOSEN_STEPS = 5 + 2 * len(ROLE_NAMES)
 
 
 def _figures(vector: np.ndarray) -> dict[str, float]:
@@ -869,7 +873,9 @@ class HardSampleSelector:
     def nothing_selected(self) -> str | None:
         """A note when steps were in a replay phase but not one sample was counted as selected in them, else
         ``None``. It says why, from the totals: the samples were never scored (they all trained, or only they
-        did), or the steps' losses were not recorded, so whatever they selected is counted in no role."""
+        did), the steps had nothing to choose from (steps mode's windows no wider than their batch, as in
+        full-batch training), or the steps' losses were not recorded, so whatever they selected is counted in
+        no role."""
         totals = self.totals
         if not totals["active_steps"] or totals["selected_count"]:
             return None
@@ -882,6 +888,17 @@ class HardSampleSelector:
                 "whose loss does not split into its batch's samples is recorded without scores, "
                 "`HardSampleReplay.batches.unscored_steps` counts such steps; a loss that is not finite is "
                 "not counted): they count in no role, and their scores were not updated."
+            )
+        if trained == offered and totals["unchosen_steps"] == steps:
+            # a held-out sweep: a full-batch PINN's end said "none of their samples had a score yet", though
+            # every sample was scored at every step
+            return (
+                f"nothing was selected in this run. {steps} steps were in a replay phase, but none had more "
+                "samples to choose from than it trains: in mode='steps' a light step chooses from a window of "
+                "batch_size / replay_fraction samples that ends at its epoch's end, and here no window held "
+                "more samples than its batch (as in full-batch training, where an epoch is one batch), so every "
+                "step trained its batch whole. Use mode='batch', which cuts each batch to its hardest samples, or a smaller "
+                "batch_size."
             )
         if trained < offered:
             return (
@@ -1130,6 +1147,10 @@ class HardSampleSelector:
         step[_ACTIVE_STEPS] = sum(entry.active for entry in pending)
         step[_OFFERED] = sum(entry.offered for entry in pending if entry.active)
         step[_TRAINED] = sum(entry.roles.size for entry in pending if entry.active)
+        step[_UNCHOSEN_STEPS] = sum(
+            entry.active and entry.roles.size > 0 and bool((entry.roles == UNTOUCHED).all())
+            for entry in pending
+        )
         finite = np.isfinite(losses)
         if not finite.all():
             step[_SELECTED_UNRECORDED] = np.count_nonzero((roles == SELECTED) & ~finite)

@@ -383,7 +383,11 @@ class ReplayBatchLifecycle:
         # for the batch as loaded (a "sum" loss estimates its sum, a "mean" its mean)
         if self.scorer is None or plan.weights is not None:
             self.captures.open(
-                int(plan.roles.size), plan.weights, batch_size if plan.weights is not None else None, batch
+                int(plan.roles.size),
+                plan.weights,
+                batch_size if plan.weights is not None else None,
+                batch,
+                module,
             )
         return self.current
 
@@ -574,7 +578,7 @@ class ReplayBatchLifecycle:
                 no per-sample value and the capture is needed; at any step, when InfoBatch's weights could not
                 reach the loss next to a scorer.
         """
-        self.captures.close()
+        self.captures.close(before_backward=True)  # what training_step's own autograd.grad added is dropped
         closed = self.captures.closed
         if self.current is None or closed is None:
             return None

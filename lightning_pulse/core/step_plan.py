@@ -475,13 +475,53 @@ def budget_shortfall(plan: StepPlan, budget: float | None, resumed_changed: bool
     )
 
 
-def plan_summary(plan: StepPlan, budget: float | None, run_steps: int | None = None) -> str:
+def chooses_nothing(plan: StepPlan, batch_size: int) -> bool:
+    """Whether ``plan`` has light steps but none of them can choose: no window it draws holds more than a batch
+    of ``batch_size`` (a window ends at its epoch's end, and each epoch is one batch: full-batch training)."""
+    return bool(plan.light_steps) and all(size <= batch_size for sizes in plan.batch_sizes for size in sizes)
+
+
+def nothing_to_choose_note(
+    plan: StepPlan, batch_size: int, fraction: float, samples_per_epoch: int
+) -> str | None:
+    """What to warn of when ``plan``'s light steps can choose nothing (:func:`chooses_nothing`): the run then
+    trains every sample of every window, in as many steps as the plain run, and its end would otherwise say
+    only that nothing was selected. ``None`` when they can, or for ``fraction`` 1.0 (whole batches on purpose:
+    a control run)."""
+    if fraction >= 1 or not chooses_nothing(plan, batch_size):
+        return None
+    window = window_size(batch_size, fraction)
+    head = (
+        f"mode='steps' can select nothing in this run: a light step trains {batch_size} samples chosen from a "
+        f"window of {window} (batch_size / replay_fraction, rounded)"
+    )
+    if window <= batch_size:
+        return (
+            f"{head}, no more than it trains, so every window is a batch trained whole. Use a lower "
+            "replay_fraction or a larger batch_size, or mode='batch'."
+        )
+    return (
+        f"{head}, a window ends at its epoch's end, and an epoch holds {samples_per_epoch} samples (one "
+        "batch: full-batch training), so every window is a batch trained whole, in as many steps as without "
+        "HardSampleReplay. Use mode='batch', which cuts each batch to its hardest replay_fraction share, or a "
+        f"batch_size well below the epoch's {samples_per_epoch} samples, so that a window holds more samples "
+        "than a step trains."
+    )
+
+
+def plan_summary(
+    plan: StepPlan, budget: float | None, run_steps: int | None = None, batch_size: int | None = None
+) -> str:
     """One line for the log: the planned steps against plain, and the budget if one was asked for.
     ``run_steps``: the steps the run takes, where ``max_epochs`` ends it before ``plan.total_steps`` (see
-    :meth:`StepPlan.run_steps`); the line states what the run will do, not the checkpoint's total."""
+    :meth:`StepPlan.run_steps`); the line states what the run will do, not the checkpoint's total.
+    ``batch_size``: the batches' ``B``, to say when no light step can choose (:func:`chooses_nothing`)."""
+    nothing = batch_size is not None and chooses_nothing(plan, batch_size)
     if run_steps is not None and run_steps != plan.total_steps:
         plan = replace(plan, total_steps=run_steps, data_steps=None)
     light = f"{plan.light_steps} in light phases"
+    if nothing:
+        light += ", none of which can choose: no window holds more samples than its batch"
     if plan.from_step > plan.steps_before:  # a resume plans the rest of the run: its light steps
         rest = plan.total_steps - plan.from_step
         light = f"{plan.light_steps} of the {rest} from step {plan.from_step} on in light phases"
