@@ -29,12 +29,14 @@ from lightning_pulse.energy.compare import (
     FIGURES,
     chart_title,
     compare_runs,
+    comparison_line,
     comparison_markdown,
     load_run,
     ratio_of,
     write_comparison_plot,
 )
 from lightning_pulse.energy.config import AccountingConfig, MeterConfig
+from lightning_pulse.energy.metric_quality import metric_direction, pair_text, verdict
 from lightning_pulse.energy.report import JSON_NAME
 from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
@@ -537,19 +539,156 @@ def test_a_process_mode_ram_figure_is_said_to_be_a_constant_power_times_wall_tim
     ram = total["energy_kwh_by_component"]["ram"]
     watts = ram * 3.6e6 / total["duration_s"]
     markdown = (second / "energy_report.md").read_text()
-    assert "RAM is codecarbon's `process`-mode estimate: a constant power times wall time" in markdown
+    assert (
+        "RAM is codecarbon's `process`-mode estimate: a power priced by the size of the process's" in markdown
+    )
     assert (
         f"Here {watts:.3g} W over the whole run, {100 * ram / total['energy_kwh']:.1f}% of the energy."
         in markdown
     )
     comparison = compare_runs(load_run(first), load_run(second))
     note = comparison["ram_note"]
-    assert note.startswith("RAM is codecarbon's `process`-mode estimate, a constant power") and note in (
-        comparison_markdown(comparison)
-    )
-    share_a = report(first)["total"]["energy_kwh_by_component"]["ram"] / report(first)["total"]["energy_kwh"]
-    assert f"({share_a:.0%} of A's energy, " in note
+    assert note.startswith(
+        "RAM is codecarbon's `process`-mode estimate, a power priced by the size"
+    ) and note in (comparison_markdown(comparison))
+    total_a = report(first)["total"]
+    share_a = total_a["energy_kwh_by_component"]["ram"] / total_a["energy_kwh"]
+    # rv-savings S1: the watts are each run's own mean (codecarbon 2 prices RAM by size), not an assumed 10 W
+    watts_a = total_a["energy_kwh_by_component"]["ram"] * 3.6e6 / total_a["duration_s"]
+    assert f"({watts_a:.3g} W on average, {share_a:.0%} of A's energy; {watts:.3g} W on average, " in note
+    assert "10 W" not in note
     assert f"energy {ratio_of(comparison, 'energy_kwh'):.3f}x, wall time " in note and "the CPU part " in note
     machine = _fit_with_codecarbon_ram(tmp_path / "m", "machine")  # the node's RAM: no such note
     assert compare_runs(load_run(machine), load_run(machine))["ram_note"] is None
     assert "`process`-mode" not in (machine / "energy_report.md").read_text()
+
+
+class _Troubled(MNIST1DClassifier):
+    """Logs its training loss under other spellings and its accuracy as `val_f1` too; with `crash_at` it raises
+    at that step, with `diverge_at` its loss is NaN from that step on (a run that diverged)."""
+
+    crash_at: int | None = None
+    diverge_at: int | None = None
+
+    def training_step(self, batch, batch_idx):
+        if self.crash_at is not None and self.global_step >= self.crash_at:
+            raise RuntimeError("crashed on purpose")
+        loss = super().training_step(batch, batch_idx)
+        for name in ("loss", "training_loss", "trn_loss"):
+            self.log(name, loss)
+        if self.diverge_at is not None and self.global_step >= self.diverge_at:
+            return loss * float("nan")
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.log("val_f1", self.val_acc)
+
+
+def _fit_troubled(root: Path, baseline: str | None = None, **trouble) -> Path:
+    """A 12-step run of ``_Troubled`` (``trouble``: its ``crash_at`` / ``diverge_at``), lr 0 for the
+    baseline (no baseline given) so that the other run's training metrics differ; returns its report's
+    folder."""
+    pl.seed_everything(0, verbose=False)
+    model = _Troubled(arch="mlp", lr=1e-2 if baseline else 0.0)
+    model.crash_at, model.diverge_at = trouble.get("crash_at"), trouble.get("diverge_at")
+    energy = EnergyLogger(
+        cpu="constant",
+        ram="none",
+        report_dir=str(root),
+        meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0),
+        accounting=AccountingConfig(baseline=baseline),
+    )
+    trainer = pl.Trainer(
+        callbacks=[energy],
+        **trainer_kwargs(max_epochs=2, limit_train_batches=6, limit_val_batches=2, default_root_dir=root),
+    )
+    try:
+        trainer.fit(model, MNIST1DDataModule(num_samples=600, batch_size=32))
+    except RuntimeError as error:
+        assert "crashed on purpose" in str(error)
+    return root
+
+
+def _fit_end_line(caplog) -> str:
+    (line,) = [r.getMessage() for r in caplog.records if "against the baseline" in r.getMessage()]
+    return line
+
+
+def test_the_fit_end_line_of_a_crashed_run_says_its_ratios_are_of_unequal_work(tmp_path, caplog):
+    # rv-savings M1: a run that raised at step 8 of 12 read "wall time 0.222x, energy 0.222x" at fit end, as a
+    # saving; the report's note "B is interrupted: unequal work" was in the Markdown and the PNG only
+    plain = _fit_troubled(tmp_path / "plain")
+    with caplog.at_level(logging.INFO):
+        crashed = _fit_troubled(tmp_path / "crashed", baseline=str(plain), crash_at=8)
+    assert report(crashed)["status"] == "interrupted" and report(crashed)["total"]["steps"] == 8
+    line = _fit_end_line(caplog)
+    energy = ratio_of(report(crashed)["comparison"], "energy_kwh")
+    assert f"energy {energy:.3f}x, not a saving: B is interrupted: unequal work (A: 12 steps, B: 8); " in line
+
+
+def test_training_losses_of_any_spelling_are_shown_not_judged_and_f1_is_judged(tmp_path):
+    # rv-savings M2: `loss`, `training_loss` and `trn_loss` (the batches the run trained: the hardest ones under
+    # HardSampleReplay) were judged "min" by name, `train_loss` not; S3: `f1` / `r2` lost their digit and were
+    # never judged
+    plain = _fit_troubled(tmp_path / "plain")
+    other = _fit_troubled(tmp_path / "other", baseline=str(plain))
+    rows = {row["metric"]: row for row in report(other)["comparison"]["metrics"]}
+    for name in ("loss", "training_loss", "trn_loss", "train_loss"):
+        assert rows[name]["difference"] and rows[name]["better"] is None and rows[name]["verdict"] is None
+    assert rows["val_f1"]["better"] == "max" and rows["val_f1"]["verdict"] in ("better", "equal")
+    assert rows["val_acc"]["better"] == "max" and rows["val_loss"]["better"] == "min"
+    for name, better in (
+        ("val_r2", "max"),
+        ("test_top1", "max"),
+        ("val_acc5", "max"),
+        ("val_loss_gap", None),
+    ):
+        assert metric_direction(name) == better, name
+    assert metric_direction("acc") is None and metric_direction("f1") is None  # no held-out part
+    # a monitor names the direction of any metric it watches, a training one too
+    assert metric_direction("trn_loss", {"trn_loss": "min"}) == "min"
+
+
+def test_a_diverged_run_is_worse_than_its_finite_baseline(tmp_path, caplog):
+    # rv-savings M3: a run whose val_loss went NaN had it dropped from its report, and the fit-end line said "no
+    # final metric whose better direction is known"
+    plain = _fit_troubled(tmp_path / "plain")
+    with caplog.at_level(logging.INFO):
+        diverged = _fit_troubled(tmp_path / "diverged", baseline=str(plain), diverge_at=3)
+    written = report(diverged)
+    assert written["nonfinite_metrics"]["val_loss"] == "nan" and "val_loss" not in written["metrics"]
+    rows = {row["metric"]: row for row in written["comparison"]["metrics"]}
+    assert rows["val_loss"]["b"] == "nan" and rows["val_loss"]["verdict"] == "worse"
+    a = report(plain)["metrics"]["val_loss"]
+    line = _fit_end_line(caplog)
+    assert f"val_loss nan against {a:.4g} (not finite, worse than the baseline)" in line, line
+    assert "no final metric" not in line
+    assert f"val_loss (nan against {a:.4g}: not finite)" in written["comparison"]["worse"]
+    assert "| val_loss |" in comparison_markdown(written["comparison"])
+    # from the command line too: the report's `nonfinite_metrics` is read back
+    again = compare_runs(load_run(plain), load_run(diverged))
+    assert {row["metric"]: row["verdict"] for row in again["metrics"]}["val_loss"] == "worse"
+    # a judged metric of the baseline missing from B is named
+    missing = dict(written, nonfinite_metrics={})
+    path = write(tmp_path / "missing.json", json.dumps(missing))
+    assert "B has no val_loss" in comparison_line(compare_runs(load_run(plain), load_run(path)))
+
+
+def test_a_monitor_mode_against_the_name_is_not_judged_and_float_noise_is_equal(tmp_path):
+    # rv-savings S2: ModelCheckpoint(monitor="val_acc") keeps Lightning's default mode="min", and a run with a
+    # higher accuracy was called worse; S4: two float32 neighbours of one accuracy were "worse"
+    plain = _fit_scored(tmp_path / "plain", lr=1e-2)
+    worse = _fit_scored(tmp_path / "worse", lr=0.0, baseline=str(plain))
+    slip = report(worse)
+    slip["metric_modes"] = {"val_acc": "min"}
+    path = write(tmp_path / "slip.json", json.dumps(slip))
+    comparison = compare_runs(load_run(plain), load_run(path))
+    row = next(row for row in comparison["metrics"] if row["metric"] == "val_acc")
+    assert row["better"] is None and row["verdict"] is None
+    assert "(not judged: the monitor says min, the name says max)" in comparison_markdown(comparison)
+    a = float(np.float32(0.9413))
+    b = float(np.nextafter(np.float32(a), np.float32(0)))
+    assert verdict(a, b, "max") == "equal" and verdict(a, a - 1e-4, "max") == "worse"
+    row = {"a": 0.941204, "b": 0.941201, "difference": 0.941201 - 0.941204}
+    assert pair_text(row).startswith("0.941201 against 0.941204")  # the precision that tells them apart

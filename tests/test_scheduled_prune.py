@@ -195,7 +195,7 @@ def test_layers_under_a_parametrization_are_left_out_and_named(mnist1d_small, ca
     weight_norm(model.net[1])  # the first conv
     spectral_norm(model.net[-1])  # the classifier
     before = {index: model.net[index].weight.detach().clone() for index in (1, len(model.net) - 1)}
-    prune = ScheduledPrune(final_sparsity=0.5, start=2, end=12, every=2, probe_batches=1)
+    prune = ScheduledPrune(final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1)
     with caplog.at_level("INFO"):
         pl.Trainer(max_steps=14, callbacks=[prune], **trainer_kwargs()).fit(model, data)
     assert prune.events and prune.events[-1]["sparsity"] > 0
@@ -219,7 +219,7 @@ def test_layers_under_the_older_hook_norms_are_left_out_too(mnist1d_small, caplo
     model, data = mnist1d_small()
     spectral_norm(model.net[-1])
     weight_norm(model.net[1])
-    prune = ScheduledPrune(final_sparsity=0.5, start=2, end=12, every=2, probe_batches=1)
+    prune = ScheduledPrune(final_sparsity=0.5, start=4, end=12, every=4, probe_batches=1)
     with caplog.at_level("INFO"):
         pl.Trainer(max_steps=14, callbacks=[prune], **trainer_kwargs()).fit(model, data)
     assert prune.events and prune.events[-1]["sparsity"] > 0

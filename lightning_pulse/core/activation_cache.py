@@ -22,6 +22,7 @@ from lightning_pulse.core.forward_writes import (
     writes_state_reason,
 )
 from lightning_pulse.core.freeze_metrics import METRIC_PREFIX
+from lightning_pulse.core.func_transforms import transform_active
 from lightning_pulse.core.prune_targets import has_own_forward
 from lightning_pulse.core.sample_index import KEEP_ONE_ROW_PER_INDEX
 from lightning_pulse.errors import PulseRefusal
@@ -79,6 +80,7 @@ class _ActivationEntry:
     input_prints: torch.Tensor | None = None
     print_columns: dict[int | str, int] | None = None  # argument (position or keyword) -> its pair of columns
     calls: int = 0
+    transform_calls: int = 0  # in the batch under way: its calls inside a torch.func transform (run for real)
     # in the batch under way: the rows of an output that were not the batch's keys (its first dimension)
     unmatched_rows: int | None = None
     # in the batch under way: why its output cannot be recorded or replayed (it then leaves the cache at the
@@ -261,6 +263,11 @@ class PrefixActivationCache:
     uncacheable during the fit; never cleared). A parameter or buffer of a cached module written, added or
     replaced between two forwards drops every record (:attr:`weight_changes` counts it): the samples are
     recorded and verified again.
+    A call of a cached module made inside a ``torch.func`` transform (``vmap(grad(functional_call(...)))``
+    per-sample gradients, a ``vmap(jacrev(net))`` Jacobian penalty) runs for real and leaves the cache's
+    state alone (:attr:`transform_calls` counts them): inside ``vmap`` it sees one sample at a time,
+    ``functional_call`` swaps other tensors in for the module's own, and the transform forbids writing the
+    tensors it captured; the batch's calls outside the transform are recorded and replayed as usual.
 
     Args:
         capacity: how many distinct samples this process sees per epoch (rows of each store).
@@ -290,6 +297,8 @@ class PrefixActivationCache:
         self._unmatched: tuple[int, int] | None = None
         # times the cached modules' parameters or buffers changed between two forwards (records dropped)
         self.weight_changes = 0
+        # calls of cached modules made inside a torch.func transform: run for real, the cache left alone
+        self.transform_calls = 0
         # the cached modules' parameters and buffers with their version counters, since their last forward
         self._weights_seen: _Weights | None = None
         self._written_checked_at_forward = True
@@ -451,6 +460,7 @@ class PrefixActivationCache:
             self._mode = "verify" if complete else "record"
             for entry in self.entries:
                 entry.calls, entry.unmatched_rows, entry.unrecordable = 0, None, None
+                entry.transform_calls = 0
 
     def _slots_for(self, indices: torch.Tensor) -> torch.Tensor | None:
         indices = indices.to(torch.long).cpu()
@@ -643,6 +653,10 @@ class PrefixActivationCache:
         module = entry.module
 
         def gate(*args: Any, **kwargs: Any) -> Any:
+            if transform_active():  # inside vmap/grad/jacrev: not a call of the batch's samples
+                self.transform_calls += 1
+                entry.transform_calls += 1
+                return type(module).forward(module, *args, **kwargs)
             if not self._written_checked_at_forward:  # a write after begin_batch (a later callback's hook)
                 self._written_checked_at_forward = True
                 if self._drop_records_if_written() and self._mode in ("hit", "record", "verify"):
@@ -738,6 +752,12 @@ def _why_unrecorded(entry: _ActivationEntry) -> str:
     """Why the forward just recorded left ``entry`` without a record it could replay."""
     if entry.unrecordable is not None:
         return entry.unrecordable
+    if entry.calls == 0 and entry.transform_calls:
+        return (
+            "its forward ran only inside a torch.func transform (vmap, grad, jacrev) in a frozen batch, and such "
+            "a call runs for real: inside vmap it sees one sample at a time, and functional_call may swap "
+            "other tensors in for the module's own"
+        )
     if entry.calls == 0 and _no_forward_of_its_own(entry.module):
         return _container_reason(entry)
     if entry.calls == 0:

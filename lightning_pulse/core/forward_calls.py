@@ -10,10 +10,18 @@ autograd sequence numbers (which every node takes in turn, as the forward makes 
 :meth:`ForwardCalls.own_reads` tells whether a unit's parameter's reads lie so. The sequence number is private
 torch API (``Node._sequence_nr()``), read in one place (:func:`sequence_number`): where it is missing, every
 read counts as outside, so a weight read by ops of different kinds is pinned, as before the record.
+
+The same record notes which of those modules ``training_step`` differentiated before the fit's backward: a
+call inside a ``torch.func`` transform (``vmap(jacrev(net))``, ``vmap(grad(...))``; its reads are its own,
+lowered to other ops, as ``Add`` and ``Mv`` for a per-sample ``Linear``), or an output reached by a
+``torch.autograd.grad(..., create_graph=True)`` (a PINN's derivatives, an input-gradient penalty). The
+backward of such a derivative applies each layer's weight again after the later layers: GradientCache's
+notes name it (:attr:`ForwardCalls.differentiated`) instead of a loop or a tie the model does not have.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +30,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lightning_pulse.core.freeze_units import FreezeUnit
+from lightning_pulse.core.func_transforms import differentiating, transform_active, unwrapped
+
+#: how ``training_step`` differentiated a layer before the fit's backward (:attr:`ForwardCalls.differentiated`)
+TRANSFORM = "a torch.func transform (jacrev, grad, vjp, jvp) in training_step"
+CREATE_GRAPH = "torch.autograd.grad(..., create_graph=True) in training_step"
 
 _PARAMETRIZATIONS = ".parametrizations."  # where torch.nn.utils.parametrize keeps a tensor's ``original``
 _SEQUENCE_NR = "_sequence_nr"  # the private torch method (2.x) numbering autograd nodes, read only here
@@ -54,7 +67,12 @@ class ForwardCalls:
     def __init__(self) -> None:
         self._spans: dict[int, list[tuple[int, int]]] = {}  # id(module) -> (first, last) of each call
         self._open: dict[int, list[int]] = {}  # id(module) -> the sequence numbers its open calls began at
+        self._transformed_spans: set[tuple[int, int]] = set()  # the calls made inside a torch.func transform
+        #: id(module) -> how ``training_step`` differentiated it before the fit's backward (the first seen):
+        #: :data:`TRANSFORM` or :data:`CREATE_GRAPH`
+        self.differentiated: dict[int, str] = {}
         self._hooks: list[Any] = []
+        self._output_hooks: list[Any] = []  # on the outputs of the calls, until the fit's backward
         self._model: nn.Module | None = None
         self._watched: list[int] = []  # id() of each module hooked
         self._probe = torch.zeros((), requires_grad=True)
@@ -62,7 +80,7 @@ class ForwardCalls:
     def arm(self, model: nn.Module, units: Sequence[FreezeUnit]) -> None:
         """Record the calls of those of ``model``'s modules that hold a parameter of ``units`` from now on (a
         record from before is dropped)."""
-        self._spans, self._open = {}, {}
+        self._spans, self._open, self._transformed_spans, self.differentiated = {}, {}, set(), {}
         holding = {prefix for unit in units for name in unit.param_names for prefix in _prefixes(name)}
         watched = list({id(m): m for name, m in _uncompiled_modules(model) if name in holding}.values())
         key = [id(module) for module in watched]
@@ -77,15 +95,16 @@ class ForwardCalls:
 
     def close(self) -> None:
         """Remove the hooks; the record stays for :meth:`own_reads`."""
-        for hook in self._hooks:
+        for hook in (*self._hooks, *self._output_hooks):
             hook.remove()
-        self._hooks, self._model, self._watched = [], None, []
+        self._hooks, self._output_hooks, self._model, self._watched = [], [], None, []
 
     def _number(self) -> int | None:
         """A fresh autograd sequence number: nodes this thread made before have smaller ones, later ones
         larger."""
         with torch.enable_grad():
-            node = self._probe.view_as(self._probe).grad_fn
+            # inside a torch.func transform the view is wrapped; ordinary autograd's node is under it
+            node = unwrapped(self._probe.view_as(self._probe)).grad_fn
         return None if node is None else sequence_number(node)  # no node under inference mode
 
     def _began(self, module: nn.Module, args: Any) -> None:
@@ -93,9 +112,34 @@ class ForwardCalls:
             self._open.setdefault(id(module), []).append(number)
 
     def _ended(self, module: nn.Module, args: Any, output: Any) -> None:
-        began = self._open.get(id(module))
+        began, inside = self._open.get(id(module)), transform_active()
         if began and (number := self._number()) is not None:
-            self._spans.setdefault(id(module), []).append((began.pop(), number))
+            span = (began.pop(), number)
+            self._spans.setdefault(id(module), []).append(span)
+            if inside:
+                self._transformed_spans.add(span)
+        if inside:
+            if differentiating():
+                self.differentiated.setdefault(id(module), TRANSFORM)
+        elif isinstance(output, torch.Tensor) and output.requires_grad:
+            self._output_hooks.append(output.register_hook(functools.partial(self._reached, id(module))))
+
+    def _reached(self, key: int, gradient: torch.Tensor) -> None:
+        # a backward while the record is on runs inside training_step; with a graph of its own: create_graph
+        if self._hooks and torch.is_grad_enabled():
+            self.differentiated.setdefault(key, CREATE_GRAPH)
+
+    def differentiated_units(self, units: Sequence[FreezeUnit], root: nn.Module) -> dict[str, str]:
+        """The names of ``units`` with a layer (a module holding one of their parameters itself, not
+        ``root``) that ``training_step`` differentiated before the fit's backward, each with how
+        (:attr:`differentiated`)."""
+        how_of = {name: self.differentiated.get(id(module)) for name, module in root.named_modules() if name}
+        found: dict[str, str] = {}
+        for unit in units:
+            for name in unit.param_names:
+                if (how := how_of.get(name.rpartition(".")[0])) is not None:
+                    found.setdefault(unit.name, how)
+        return found
 
     def _call_holding(self, module: nn.Module, number: int) -> tuple[int, int] | None:
         """The innermost call of ``module`` that made the node numbered ``number``, else ``None``."""
@@ -151,8 +195,10 @@ class ForwardCalls:
                         call = None if number is None else self._call_holding(module, number)
                         if call is None:  # outside its calls, or unnumbered (sequence_number)
                             return False
-                        kinds_by_call.setdefault(call, set()).add(kind)
-                if any(len(kinds) < len(reads) for kinds in kinds_by_call.values()):
+                        if call not in self._transformed_spans:  # a transform lowers the ops: Add for Addmm
+                            kinds_by_call.setdefault(call, set()).add(kind)
+                every = set().union(*kinds_by_call.values())
+                if any(kinds != every for kinds in kinds_by_call.values()):
                     return False  # one call reads it by one kind, another by another: a tie
             return True
 

@@ -39,6 +39,10 @@ class FreezeUnit:
         frozen_with: names of later units it freezes only together with, because a custom autograd Function
             needs them frozen or trained together (:mod:`~lightning_pulse.core.custom_functions`); found anew
             at each fit's first backward, like a pin.
+        differentiated: how ``training_step`` differentiated one of its layers before the fit's backward (a
+            ``torch.func`` transform, ``torch.autograd.grad(..., create_graph=True)``; ``""``: not seen), whose
+            backward applies its weight again after later units; found anew at each fit's first backward
+            (:attr:`~lightning_pulse.core.forward_calls.ForwardCalls.differentiated`), for the notes only.
     """
 
     name: str
@@ -48,6 +52,7 @@ class FreezeUnit:
     shared_with: list[str] = field(default_factory=list)
     inputs_from: list[str] = field(default_factory=list)
     frozen_with: list[str] = field(default_factory=list)
+    differentiated: str = ""
 
     @property
     def numel(self) -> int:
@@ -182,20 +187,32 @@ def pinned_note(units: Sequence[FreezeUnit]) -> str | None:
 
 def reread_note(units: Sequence[FreezeUnit]) -> str | None:
     """One line naming the units (in forward order) that read from a later unit, and the farthest one each
-    reads from (``None``: none does). Pinned units are left out: :func:`pinned_note` names them."""
+    reads from (``None``: none does), with the cause where it is known: a derivative ``training_step`` took
+    through them (:attr:`FreezeUnit.differentiated`), else a weight-shared layer or a looped block. Pinned
+    units are left out: :func:`pinned_note` names them."""
     position = {unit.name: index for index, unit in enumerate(units)}
-    reread = []
+    reread: dict[str, list[str]] = {}  # how they were differentiated ("": not seen) -> the units
     for index, unit in enumerate(units):
         later = [name for name in unit.inputs_from if position.get(name, -1) > index]
         if later and not unit.pinned:
-            reread.append(f"{unit.name} (after {max(later, key=position.__getitem__)})")
+            named = f"{unit.name} (after {max(later, key=position.__getitem__)})"
+            reread.setdefault(unit.differentiated, []).append(named)
     if not reread:
         return None
-    return (
-        "units applied again after later units (a weight-shared layer, a looped block) freeze only together "
-        "with everything up to the last of those, so a frozen prefix never ends between them: "
-        + "; ".join(reread)
-    )
+    notes = [
+        f"the backward of a derivative taken through the model ({how}) applies these units' weights again "
+        "after later units, so each freezes only together with everything up to the last of those (that "
+        "backward runs through all of them, frozen or not): " + "; ".join(names)
+        for how, names in reread.items()
+        if how
+    ]
+    if "" in reread:
+        notes.append(
+            "units applied again after later units (a weight-shared layer, a looped block) freeze only "
+            "together with everything up to the last of those, so a frozen prefix never ends between them: "
+            + "; ".join(reread[""])
+        )
+    return ". ".join(notes)
 
 
 def head_positions(units: Sequence[FreezeUnit]) -> set[int]:

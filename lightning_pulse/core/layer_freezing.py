@@ -52,6 +52,7 @@ from lightning_pulse.core.freeze_units import (
     units_changed_since,
     untrained_entries,
 )
+from lightning_pulse.core.func_transforms import transform_active, unwrapped
 from lightning_pulse.core.snapshots import hook_around_steps, is_zero_redundancy, runs_step_hooks
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import KNOWN_LENGTH
@@ -473,11 +474,21 @@ class LayerFreezer:
             said += f", but its norm was still growing by over {MAX_STABLE_GROWTH:.0%} a window"
         together = farthest_reads(self.units)[0]
         if stable_last and not growing and together > 0:  # its group never was stable and fresh at once
+            group = self.units[: together + 1]
+            how = next((unit.differentiated for unit in group if unit.differentiated), "")
+            cause = "a loop, or a custom autograd Function"
+            if how:  # the derivative's backward applies their weights after the later units
+                cause = f"the backward of a derivative taken through them, {how}"
             why = (
-                f"It freezes only together with the units up to {self.units[together].name} (a loop, or a "
-                "custom autograd Function: see the message at the first step), which were never all stable "
-                f"at one check within max_frozen_share={most:g}; a longer run, or a higher threshold, lets "
-                "them freeze"
+                f"It freezes only together with the units up to {self.units[together].name} ({cause}: see "
+                "the message at the first step), "
+            )
+            never = self._never_frozen_with(together)
+            why += (
+                f"{never}, so no prefix can freeze in this fit"
+                if never is not None
+                else f"which were never all stable at one check within max_frozen_share={most:g}; a longer run, "
+                "or a higher threshold, lets them freeze"
             )
         elif stable_last and not growing:  # stable at its last check, but no freeze followed it
             why = (
@@ -497,6 +508,18 @@ class LayerFreezer:
             f"{said} (stable at <= threshold={threshold:g}); the lowest last score was {lowest:.3g} "
             f"({lowest_name}). {why}"
         )
+
+    def _never_frozen_with(self, last: int) -> str | None:
+        """Why the units up to ``last`` can never be frozen together, or ``None``: the last unit that gets a
+        gradient or a head among them, or more parameters than ``max_frozen_share``."""
+        if last >= self.freezable_limit:
+            return f"and {self.units[last].name} always trains, as the last unit the loss reaches"
+        if heads := sorted(i for i in head_positions(self.units) if i <= last):
+            return f"and {self.units[heads[0]].name} is a head, which never freezes"
+        share = sum(self._unit_numel[: last + 1]) / self.trainable_numel
+        if share > self.settings.max_frozen_share:
+            return f"which hold {share:.0%} of the trainable parameters, over max_frozen_share"
+        return None
 
     @property
     def frozen_names(self) -> list[str]:
@@ -1025,7 +1048,11 @@ class BackwardReachCheck:
 
     def _look(self, index: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         values = tuple(output.values()) if isinstance(output, Mapping) else output
-        if reads_gradient(values if isinstance(values, (tuple, list)) else (values,), {}):
+        values = values if isinstance(values, (tuple, list)) else (values,)
+        if transform_active():  # what the transform differentiates is its own: judged by the fit's autograd
+            values, args = tuple(map(unwrapped, values)), tuple(map(unwrapped, args))
+            kwargs = {key: unwrapped(value) for key, value in kwargs.items()}
+        if reads_gradient(values, {}):
             self._reached.append((index, reads_gradient(args, kwargs)))
 
     def finish(self, units: Sequence[FreezeUnit]) -> str | None:
@@ -1294,6 +1321,10 @@ class FreezerLifecycle:
         if first:
             self._graph_checked = True
             own_read = self._calls.own_reads(self.units, self._model) if self._model is not None else None
+            if self._model is not None:
+                how = self._calls.differentiated_units(self.units, self._model)
+                for unit in self.units:
+                    unit.differentiated = how.get(unit.name, "")
             self._calls.close()
             pin_read_twice(self.units, check_first_graph(loss), own_read)
             if self._scan is not None:
@@ -1945,13 +1976,23 @@ def pin_read_twice(
     for unit in units:
         kinds: set[str] = set()
         for param in unit.params:
-            reads = read_twice.get(id(param), {})
-            if reads and (own_read is None or not own_read(param, reads)):
+            # a node of a backward formula (ConvolutionBackwardBackward0: a `create_graph=True` derivative)
+            # reads the weight of the op it differentiates: that op's read, not another layer's
+            reads = {
+                kind: nodes for kind, nodes in read_twice.get(id(param), {}).items() if not _derivative(kind)
+            }
+            if len(reads) > 1 and (own_read is None or not own_read(param, reads)):
                 kinds.update(reads)
         if kinds and not unit.pinned:
             unit.shared_with = [
                 f"<its weight read again outside its own forward ({', '.join(sorted(kinds))})>"
             ]
+
+
+def _derivative(kind: str) -> bool:
+    """Whether ``kind`` (:func:`check_first_graph`'s name of a node's op) is a backward formula's: a node made
+    by a backward that builds a graph (``ConvolutionBackwardBackward0`` is kind ``ConvolutionBackward``)."""
+    return kind.endswith("Backward")
 
 
 def refuse_optimizers_that_move_gradless_parameters(optimizers: Iterable[torch.optim.Optimizer]) -> None:

@@ -27,6 +27,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 from torch.optim.swa_utils import AveragedModel
 
+from lightning_pulse.core.func_transforms import unwrapped
 from lightning_pulse.nn.hyper_connections import HyperConnection
 
 
@@ -441,8 +442,7 @@ def _aliases(weight: Any, own: nn.Parameter) -> bool:
     if not isinstance(weight, torch.Tensor):
         return False
     try:
-        while torch._C._functorch.is_functorch_wrapped_tensor(weight):
-            weight = torch._C._functorch.get_unwrapped(weight)
+        weight = unwrapped(weight)
         return weight.untyped_storage().data_ptr() == own.untyped_storage().data_ptr()
     except RuntimeError:  # a tensor without storage (a fake or meta tensor)
         return False

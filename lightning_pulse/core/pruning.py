@@ -40,6 +40,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 
 from lightning_pulse.core import prune_targets, prune_widths, user_hooks
 from lightning_pulse.core.carried_state import WEIGHT_HOOKS, hook_weight_name
+from lightning_pulse.core.func_transforms import transform_active
 from lightning_pulse.core.prune_targets import LayerSelection, call_with
 from lightning_pulse.core.selection import take_samples
 from lightning_pulse.core.snapshots import optimizers_within
@@ -251,9 +252,9 @@ class WriteKeepingMask(prune.CustomFromMask):
     Not seen: an in-place write through ``.data`` (``layer.weight.data.clamp_(...)``: ``.data`` has a version
     counter of its own), a write made between the backward and the optimizer step (it is carried over that
     step's update), and writes inside a ``torch.compile``'d forward (the compiled hook recomputes as torch's
-    does). A pending write is dropped when a state dict is loaded into the layer (``load_state_dict``, also
-    through :func:`fit_to_state_dict`) or a rollback restores it (:func:`discard_written_weights`): the loaded
-    state supersedes it.
+    does) or inside a ``torch.func`` transform (:meth:`_set_inside_transform`). A pending write is dropped
+    when a state dict is loaded into the layer (``load_state_dict``, also through :func:`fit_to_state_dict`)
+    or a rollback restores it (:func:`discard_written_weights`): the loaded state supersedes it.
     """
 
     def __init__(self, mask: torch.Tensor) -> None:
@@ -264,10 +265,34 @@ class WriteKeepingMask(prune.CustomFromMask):
         if torch.compiler.is_compiling():  # a weak reference and a storage pointer have no place in a graph
             setattr(module, self._tensor_name, self.apply_mask(module))
             return
+        if transform_active():
+            self._set_inside_transform(module)
+            return
         self.keep_written(module)
         weight = self.apply_mask(module)
         setattr(module, self._tensor_name, weight)
         self.remember(weight)
+
+    def _set_inside_transform(self, module: nn.Module) -> None:
+        """The layer's weight for a call inside a ``torch.func`` transform (``vmap(jacrev(net))``,
+        ``vmap(grad(...))`` with ``functional_call``): ``weight_orig`` as the transform sees it (wrapped, or
+        the tensor ``functional_call`` swapped in) times the mask, so the pruned entries are zero in what the
+        transform computes. Such a weight has no storage to compare (``data_ptr()`` raises) and
+        ``weight_orig`` may not be written inside the transform, so no write is kept or remembered here; the
+        weight set outside the transform is put back when the call ends, so ``layer.weight`` never holds a
+        tensor of a finished transform and a write to it is kept at the next recompute outside one."""
+        name = self._tensor_name
+        outside = module.__dict__.get(name)
+        setattr(module, name, self.apply_mask(module))
+        if outside is None:
+            return
+        handle: Any = None
+
+        def put_back(layer: nn.Module, args: Any, output: Any) -> None:
+            handle.remove()
+            setattr(layer, name, outside)
+
+        handle = module.register_forward_hook(put_back, always_call=True)
 
     def remember(self, weight: torch.Tensor) -> None:
         """Take ``weight``, just set as the layer's computed weight, as the tensor a later write is seen in

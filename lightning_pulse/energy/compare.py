@@ -21,8 +21,11 @@ from typing import Any, NoReturn
 
 from lightning_pulse.energy.meter import NONE, PARTIAL
 from lightning_pulse.energy.metric_quality import (
+    NONFINITE,
     metric_direction,
+    mode_conflict,
     monitored_modes,
+    pair_text,
     signed_difference,
     verdict,
     worse_line,
@@ -123,9 +126,15 @@ def load_run(path: str | Path, field: str | None = None) -> dict[str, Any]:
     return {
         "path": str(json_path),
         "report": report,
-        "metrics": dict(metrics or {}),
+        "metrics": _with_nonfinite(metrics, report),
         "metrics_source": source,
     }
+
+
+def _with_nonfinite(metrics: Mapping[str, Any] | None, report: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's final metrics with those that were not finite (a diverged run), recorded in its report's
+    ``nonfinite_metrics``, as ``"nan"`` / ``"inf"`` / ``"-inf"``."""
+    return {**(report.get("nonfinite_metrics") or {}), **(metrics or {})}
 
 
 def _refuse_malformed(report: Mapping[str, Any], where: str) -> None:
@@ -158,6 +167,12 @@ def _refuse_malformed(report: Mapping[str, Any], where: str) -> None:
     for name, mode in (modes or {}).items():
         if mode not in ("min", "max"):
             refuse(f"metric_modes.{name}", mode, "'min' or 'max'")
+    nonfinite = report.get("nonfinite_metrics")
+    if nonfinite is not None and not isinstance(nonfinite, Mapping):
+        refuse("nonfinite_metrics", nonfinite, "a mapping of metric names to 'nan', 'inf' or '-inf'")
+    for name, value in (nonfinite or {}).items():
+        if value not in NONFINITE:
+            refuse(f"nonfinite_metrics.{name}", value, "'nan', 'inf' or '-inf'")
     price = report.get("price")
     if price is not None and not isinstance(price, Mapping):
         refuse("price", price, "a mapping or null")
@@ -263,6 +278,7 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
                 "difference": signed_difference(value_a, value_b),
                 "better": direction,
                 "verdict": verdict(value_a, value_b, direction),
+                "note": mode_conflict(name, *modes),
             }
         )
     return {
@@ -278,6 +294,7 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         "figures": figures,
         "metrics": metrics,
         "worse": worse_line(metrics),
+        "unfinished": unfinished,
         "not_comparable": None if metered_apart is None else _not_comparable_line(metered_apart),
         "ram_note": None
         if metered_apart is not None
@@ -321,15 +338,16 @@ def _not_comparable_line(metered_apart: str) -> str:
 
 def process_ram_line(a: Mapping[str, Any], b: Mapping[str, Any], figures: list[dict[str, Any]]) -> str | None:
     """Where codecarbon metered RAM in ``"process"`` mode (:func:`~lightning_pulse.energy.report.process_ram`:
-    a constant power times wall time), the line that says so, with the RAM's share of each run's energy, the
+    a power set by the process's memory size times wall time), the line that says so, with the RAM's mean
+    watts and share of each run's energy as measured, the
     energy and wall-time ratios and the CPU part's own ratio; ``None`` otherwise. On CPU-only fits the RAM was
     82-96% of every figure (a held-out sweep), so the energy ratio was about the wall-time ratio: 0.275x for
     runs whose CPU time was 0.524x, their baselines having waited for other processes on a loaded machine."""
     found = {name: process_ram(report) for name, report in (("A", a), ("B", b))}
     shares = [
-        f"{share:.0%} of {name}'s energy"
+        f"{got[1]:.3g} W on average, {got[0]:.0%} of {name}'s energy"
         for name, got in found.items()
-        if got and (share := got[0]) is not None
+        if got and None not in got
     ]
     if all(got is None for got in found.values()):
         return None
@@ -338,9 +356,9 @@ def process_ram_line(a: Mapping[str, Any], b: Mapping[str, Any], figures: list[d
     named = {"energy": ratios.get("energy_kwh"), "wall time": ratios.get("duration_s"), "the CPU part": cpu}
     compared = ", ".join(f"{name} {ratio:.3f}x" for name, ratio in named.items() if ratio is not None)
     return (
-        "RAM is codecarbon's `process`-mode estimate, a constant power (10 W on x86 for a process up to 16 GB) "
-        "times wall time, whatever the process holds or does"
-        f"{' (' + ', '.join(shares) + ')' if shares else ''}: that part of the energy follows wall time, time "
+        "RAM is codecarbon's `process`-mode estimate, a power priced by the size of the process's memory "
+        "times wall time, whatever the process does"
+        f"{' (' + '; '.join(shares) + ')' if shares else ''}: that part of the energy follows wall time, time "
         f"spent waiting for other processes included, not the work{'; ' + compared if compared else ''}."
     )
 
@@ -401,31 +419,65 @@ def final_metric_fields(trainer: Any) -> dict[str, Any]:
     ``callback_metrics`` (:func:`scalar_metrics`), and ``metric_modes``, the ``mode`` of each metric a
     ``ModelCheckpoint`` or ``EarlyStopping`` monitors (:func:`monitored_modes`), which says which way it is
     better in a comparison."""
-    return {"metrics": scalar_metrics(trainer.callback_metrics), "metric_modes": monitored_modes(trainer)}
+    return {
+        "metrics": scalar_metrics(trainer.callback_metrics),
+        "nonfinite_metrics": nonfinite_metrics(trainer.callback_metrics),
+        "metric_modes": monitored_modes(trainer),
+    }
+
+
+def nonfinite_metrics(metrics: Mapping[str, Any]) -> dict[str, str]:
+    """The scalars among a Trainer's ``callback_metrics`` that are not finite (a run that diverged), as
+    ``"nan"``, ``"inf"`` or ``"-inf"`` by name (JSON holds no NaN): a comparison calls them worse than a
+    finite baseline's."""
+    found = {}
+    for name, value in metrics.items():
+        try:
+            if hasattr(value, "numel") and value.numel() != 1:
+                continue
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+        if not math.isfinite(number):
+            found[str(name)] = "nan" if math.isnan(number) else "inf" if number > 0 else "-inf"
+    return dict(sorted(found.items()))
 
 
 def comparison_line(comparison: Mapping[str, Any] | None) -> str | None:
-    """The fit-end line of a run compared against its baseline: its wall-time and energy ratios next to each
-    final metric whose better direction is known, B against A with the difference and the verdict, so that a
-    saving is never read without what it cost in result; ``None`` without a comparison."""
+    """The fit-end line of a run compared against its baseline: its wall-time and energy ratios (with the
+    reason where a run did unequal work or was metered apart) next to each final metric whose better direction
+    is known, B against A with the difference and the verdict, so that a saving is never read without what it
+    cost in result; ``None`` without a comparison."""
     if not comparison:
         return None
     ratios = [
         f"{row['label']} {row['ratio']:.3f}x"
+        if row["ratio"] is not None
+        else f"{row['label']} ({row['note']})"
         for row in comparison["figures"]
-        if row["figure"] in ("duration_s", "energy_kwh") and row["ratio"] is not None
+        if row["figure"] in ("duration_s", "energy_kwh")
+        and (row["ratio"] is not None or str(row.get("note") or "").startswith("not comparable"))
     ]
+    compared = ", ".join(ratios) or "no time or energy ratio"
+    if comparison.get("unfinished"):
+        compared += f", not a saving: {comparison['unfinished']}"
     words = {"worse": "worse than the baseline", "better": "better than the baseline", "equal": "equal"}
-    judged = [
-        f"{row['metric']} {row['b']:.4g} against {row['a']:.4g} ({row['difference']:+.4g}, {words[row['verdict']]})"
-        for row in comparison["metrics"]
-        if row.get("verdict") in words
-    ]
+    judged = []
+    for row in comparison["metrics"]:
+        if row.get("verdict") in words:
+            difference = "not finite" if row["difference"] is None else f"{row['difference']:+.4g}"
+            judged.append(f"{row['metric']} {pair_text(row, False)} ({difference}, {words[row['verdict']]})")
+        elif row.get("better") and row.get("a") is not None and row.get("b") is None:
+            judged.append(f"B has no {row['metric']} (A: {row['a']:.4g})")
+        elif row.get("better") and row.get("b") is not None and row.get("a") is None:
+            judged.append(f"the baseline has no {row['metric']}")
+        elif row.get("better"):
+            judged.append(f"{row['metric']} {pair_text(row)}")
     quality = "; ".join(judged) or (
-        "no final metric whose better direction is known (a loss or accuracy by name, or a monitor's `mode`): "
-        "see B - A in the report"
+        "no final metric whose better direction is known (a held-out metric named as a loss or accuracy, "
+        "such as val_loss, or a monitor's `mode`): see B - A in the report"
     )
-    return f"EnergyLogger: against the baseline, {', '.join(ratios) or 'no time or energy ratio'}; {quality}."
+    return f"EnergyLogger: against the baseline, {compared}; {quality}."
 
 
 def add_comparison(report: dict[str, Any], baseline: str | Path | None, path: str | Path, warn: Any) -> None:
@@ -436,7 +488,7 @@ def add_comparison(report: dict[str, Any], baseline: str | Path | None, path: st
     this = {
         "path": str(path),
         "report": report,
-        "metrics": dict(report.get("metrics") or {}),
+        "metrics": _with_nonfinite(report.get("metrics"), report),
         "metrics_source": "report",
     }
     try:
@@ -524,15 +576,19 @@ def _ratio_cell(ratio: float | None) -> str:
 
 def _difference_cell(row: Mapping[str, Any]) -> str:
     """``"-0.0448 (worse than the baseline; higher is better)"``: B - A and, where the metric has a direction
-    (:mod:`~lightning_pulse.energy.metric_quality`), what it means."""
+    (:mod:`~lightning_pulse.energy.metric_quality`), what it means; why a metric a monitor names is not
+    judged."""
     difference = row.get("difference")
-    if difference is None:
-        return "n/a"
     better = {"max": "higher is better", "min": "lower is better"}.get(row.get("better") or "")
     said = {"worse": "worse than the baseline", "better": "better than the baseline"}.get(
         row.get("verdict") or ""
     )
-    return f"{difference:+.4g}" + (f" ({said}; {better})" if said else f" ({better})" if better else "")
+    if difference is None and not said:
+        return "n/a" + (f" (not judged: {row['note']})" if row.get("note") else "")
+    text = "n/a, not finite" if difference is None else f"{difference:+.4g}"
+    if row.get("note"):
+        return f"{text} (not judged: {row['note']})"
+    return text + (f" ({said}; {better})" if said else f" ({better})" if better else "")
 
 
 def comparison_markdown(comparison: Mapping[str, Any], title: str = "# Energy comparison") -> str:

@@ -49,8 +49,9 @@ class MeterConfig(_EnergyLoggerConfig):
         rapl_root: the powercap sysfs directory.
         codecarbon_tracking_mode: codecarbon's ``"machine"`` (the whole node) or ``"process"`` (the CPU as
             its TDP times this process's CPU time, a share of the cores; RAM as a machine holding this process's
-            memory, with codecarbon's floor of two DIMMs: 10 W on x86 for any process up to 16 GB, a constant
-            power times wall time that is not a share of the node's memory, and most of a CPU-only fit's energy).
+            memory, with codecarbon 3's floor of two DIMMs: 10 W on x86 for any process up to 16 GB; codecarbon
+            2 prices the gigabytes the process holds: either way a power set by memory size times wall time, not
+            a share of the node's memory, and most of a CPU-only fit's energy).
 
     Raises:
         ValueError: on a bad value, naming the field, the value and what is allowed.

@@ -375,7 +375,8 @@ def process_ram(report: Mapping[str, Any]) -> tuple[float | None, float | None] 
     (either ``None`` where the report cannot give it), else ``None``. codecarbon 3 prices the process's
     memory as if a machine held that much (``codecarbon.external.ram.RAM._calculate_ram_power`` on the
     process's RSS): a DIMM count with a floor of two, 5 W each on x86 (3 W in all on ARM), so 10 W for any
-    process up to 16 GB, whatever it holds or does. Its energy is that power times wall time."""
+    process up to 16 GB, whatever it holds or does (codecarbon 2: 3/8 W per GB of the RSS). Its energy is that
+    power times wall time; the watts given are the report's own mean, RAM energy over wall time."""
     meter = (report.get("meters") or {}).get("ram")
     if not isinstance(meter, Mapping) or meter.get("meter") != "codecarbon":
         return None
@@ -412,9 +413,10 @@ def process_ram_note(report: Mapping[str, Any]) -> list[str]:
         else ""
     )
     return [
-        "RAM is codecarbon's `process`-mode estimate: a constant power times wall time, not this process's "
-        "share of the node's memory power and not its work (codecarbon prices the process's memory as a "
-        "machine holding that much, with a floor of two DIMMs: 10 W on x86 for any process up to 16 GB)."
+        "RAM is codecarbon's `process`-mode estimate: a power priced by the size of the process's memory "
+        "times wall time, not this process's share of the node's memory power and not its work (codecarbon 3 "
+        "prices it as a machine holding that much memory, with a floor of two DIMMs; codecarbon 2 by the "
+        "gigabytes the process holds)."
         f"{figures} Two such runs' energy compares about as their wall times do, time spent waiting for other "
         f"processes included{cpu}.",
         "",
