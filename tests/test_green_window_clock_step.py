@@ -111,6 +111,48 @@ def test_a_clock_without_a_monotonic_companion_is_taken_as_it_reads():
     assert callable(RunClock(SystemClock()).monotonic)
 
 
+class ClockOfItsOwn:
+    """A user's clock with ``time()`` and ``sleep()`` and no ``monotonic()``: the system clock's, ``offset_s``
+    away (a wrapper at 0)."""
+
+    def __init__(self, offset_s: float = 0.0) -> None:
+        self.offset_s, self.system = offset_s, SystemClock()
+
+    def time(self) -> float:
+        return self.system.time() + self.offset_s
+
+    def sleep(self, seconds: float) -> None:
+        self.system.sleep(seconds)
+
+
+class ClockToldToMove:
+    """A user's simulated clock (no ``monotonic()``): it moves only when told, even if it starts at the
+    system clock's time."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_clock_of_its_own_that_moves_only_when_told_is_taken_as_it_reads(monkeypatch):
+    offset = [0.0]
+    monkeypatch.setattr(SystemClock, "time", lambda self: time.time() + offset[0])
+    clock = ClockToldToMove(time.time())  # reads the system clock's time at its start
+    run_clock = RunClock(clock)
+    start = run_clock.restart()[0]
+    clock.sleep(HOUR)  # simulated compute, in no real time
+    assert run_clock.time() == start + HOUR
+    offset[0] += HOUR  # the system clock steps forward an hour; this clock did not move
+    clock.sleep(600.0)
+    assert run_clock.time() == start + HOUR + 600.0
+    assert run_clock.away == [] and run_clock.news == []
+
+
 class Tiny(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -134,9 +176,12 @@ class StepTheClock(pl.Callback):
             self.offset[0] += HOUR
 
 
-def fit_on_a_stepping_system_clock(monkeypatch, tmp_path, at_step: int | None, **green_kwargs):
+def fit_on_a_stepping_system_clock(
+    monkeypatch, tmp_path, at_step: int | None, offset_s: float | None = None, **green_kwargs
+):
     """40 steps of a tiny model under GreenWindow on the default clock, whose ``time()`` steps forward an hour
-    after ``at_step`` (``time.monotonic`` does not); a pause is recorded, not slept."""
+    after ``at_step`` (``time.monotonic`` does not); a pause is recorded, not slept. ``offset_s``: on a
+    :class:`ClockOfItsOwn` that far from the system clock instead (it steps with it)."""
     torch.manual_seed(0)
     offset, slept = [0.0], [0.0]
 
@@ -146,7 +191,9 @@ def fit_on_a_stepping_system_clock(monkeypatch, tmp_path, at_step: int | None, *
 
     monkeypatch.setattr(SystemClock, "time", lambda self: time.time() + offset[0])
     monkeypatch.setattr(SystemClock, "sleep", sleep)
-    now = time.time()
+    if offset_s is not None:
+        green_kwargs["clock"] = ClockOfItsOwn(offset_s)
+    now = time.time() + (offset_s or 0.0)
     # a daily cycle: an hour an hour after the start is dirtier than most, so a wrong plan pauses
     signal = [(now + (k - 48) * HOUR, 300.0 + 200.0 * ((k % 24) in range(10, 20))) for k in range(24 * 5)]
     green = GreenWindow(signal=signal, when_dirty="pause", max_delay=1.0, **green_kwargs)
@@ -192,3 +239,17 @@ def test_without_a_step_nothing_is_booked_away(monkeypatch, tmp_path):
     assert summary["clock_away_s"] == 0.0 and summary["waited_s"] == slept
     assert 0.0 < summary["compute_s"] <= real_s + 0.5
     assert not [line for line in said if "stepped forward" in line]
+
+
+@pytest.mark.parametrize("offset_s", [0.0, -86400.0], ids=["a-wrapper", "a-day-behind"])
+def test_a_step_of_a_clock_of_its_own_that_follows_the_system_clock_is_time_away(
+    monkeypatch, tmp_path, offset_s
+):
+    # pass 39 left it open: a clock of the user's with time() and sleep() and no monotonic() (a wrapper of the
+    # system clock, or one offset from it) booked the system clock's 1 h step as compute, and a 1.2 s job
+    # planned 40 h of work
+    summary, real_s, slept, said = fit_on_a_stepping_system_clock(monkeypatch, tmp_path, 1, offset_s)
+    assert summary["compute_s"] <= real_s + 0.5 and summary["planned_work_s"] < real_s + 1.0
+    assert slept == 0.0
+    assert summary["clock_away_s"] == pytest.approx(HOUR, abs=1.0)
+    assert len([line for line in said if "the clock stepped forward 1.0 h" in line]) == 1

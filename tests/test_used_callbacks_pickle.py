@@ -1,4 +1,5 @@
-"""EnergyLogger, ScheduledPrune and StabilityGuard after a fit: they pickle, deep-copy and keep no Trainer.
+"""EnergyLogger, ScheduledPrune and StabilityGuard after a fit: they pickle, deep-copy and keep no Trainer;
+GreenWindow pickles and deep-copies after a fit whose last live reading timed out.
 
 ``ddp_spawn`` pickles the callbacks at every fit, and sweeps copy them. After one fit, EnergyLogger once held
 its ledger's and sampler's locks, its sampler's event, its meters' closures and the Trainer; ScheduledPrune a
@@ -13,12 +14,21 @@ import copy
 import gc
 import json
 import pickle
+import threading
 import weakref
 
 import lightning.pytorch as pl
 import pytest
 
-from lightning_pulse import EnergyLogger, MeterConfig, ScheduledPrune, StabilityGuard
+from lightning_pulse import (
+    EnergyLogger,
+    GreenWindow,
+    MeterConfig,
+    ScheduledPrune,
+    SimulatedClock,
+    StabilityGuard,
+)
+from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
 from lightning_pulse.energy.report import JSON_NAME
 from tests.conftest import trainer_kwargs
 from tests.ddp_workers import TwoGlooProcesses
@@ -136,3 +146,48 @@ def test_the_shipped_suites_guard_and_replay_pickle_after_a_fit_and_keep_no_trai
     del trainer, model, data
     gc.collect()
     assert finished() is None
+
+
+RELEASE = threading.Event()  # lets the hanging reading below return (a module's: the callable pickles)
+
+
+class HangsAtItsSecondCall:
+    """A live signal (picklable, as ``ddp_spawn`` needs) whose second call hangs until :data:`RELEASE`."""
+
+    def __init__(self, clock: SimulatedClock) -> None:
+        self.clock, self.calls = clock, 0
+
+    def __call__(self) -> tuple[float, float]:
+        self.calls += 1
+        if self.calls == 2:
+            RELEASE.wait(60.0)
+        return self.clock.time(), 100.0 + self.calls
+
+
+def test_a_green_window_whose_last_live_reading_timed_out_pickles_and_copies(mnist1d_small, tmp_path):
+    """Review of the 41st pass: the call still out after a reading that timed out held a threading.Event, so
+    after such a fit the GreenWindow no longer pickled nor deep-copied (``TypeError: cannot pickle
+    '_thread.lock' object``). A copy's live signal has no call out: it asks its source again."""
+    RELEASE.clear()
+    clock = SimulatedClock("2020-06-15 00:00:00")
+    green = GreenWindow(
+        signal=HangsAtItsSecondCall(clock),
+        when_dirty="pause",
+        threshold=500.0,  # clean: a decision every hour (6 steps of 10 simulated minutes), at steps 0 and 6
+        expected_duration="2h",
+        clock=clock,
+        options={"watts": 100.0, "report_dir": str(tmp_path), "signal_timeout": 5.0},
+    )
+    callbacks = [SimulatedStepTime(clock, 600.0), green]
+    trainer = pl.Trainer(max_steps=12, callbacks=callbacks, **trainer_kwargs(default_root_dir=tmp_path))
+    try:
+        with pytest.warns(UserWarning, match="did not return within 5 s"):
+            trainer.fit(*mnist1d_small(arch="mlp"))
+        assert green.signal.live._late is not None and not green.signal.live._late.done.is_set()
+        for restored in (pickle.loads(pickle.dumps(green)), copy.deepcopy(green)):
+            live = restored.signal.live
+            assert live._late is None and live.timeout_s == 5.0  # the bound reaches spawned ranks
+            assert (live.times, live.values, live.failed) == (green.signal.live.times, [101.0], 1)
+            assert live.observe(clock.time()) == (clock.time(), 103.0)  # asked again (its source's 3rd call)
+    finally:
+        RELEASE.set()

@@ -34,7 +34,7 @@ import numpy as np
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import Forecast
 from lightning_pulse.energy.report import SMOKE_TEST
-from lightning_pulse.energy.signal import GreenSignal, SignalUnreadable
+from lightning_pulse.energy.signal import LIVE_READ_TIMEOUT_S, GreenSignal, SignalUnreadable
 from lightning_pulse.errors import PulseRefusal, plain_fields
 from lightning_pulse.phase import (
     KNOWN_LENGTH,
@@ -139,7 +139,10 @@ class RunClock:
     suspend), the difference is time away, not compute. The run's time follows the clock (the signal's hours
     are the clock's), and the span jumped over is kept in :attr:`away` for the open segment to book as waited
     (:meth:`OpenSegment.close`); a step over :data:`CLOCK_STEP_WARN_S` is warned once (:attr:`news`). A clock
-    without one (a :class:`SimulatedClock`, whose time moves only when told) is taken as it reads.
+    of the user's without one is read next to the system clock's pair (:class:`SystemClock`): between two
+    readings where it moved as ``time.time()`` did (a wrapper of it, or an offset), the system clock's step is
+    its step; where it did not (a clock that moves only when told), it is taken as it reads, as a
+    :class:`SimulatedClock` always is.
 
     Args:
         clock: an object with ``time()`` (Unix seconds) and ``sleep(seconds)``, maybe ``monotonic()``.
@@ -164,7 +167,10 @@ class RunClock:
         self.latest = -math.inf
         monotonic = getattr(clock, "monotonic", None)
         self.monotonic: Callable[[], float] | None = monotonic if callable(monotonic) else None
-        self.last: tuple[float, float] | None = None  # the run's and the monotonic time at the last reading
+        # no companion of its own: the system clock's, for a clock that follows it (a step of the system clock
+        # moved it too, and was booked as compute)
+        self.system = None if self.monotonic or isinstance(clock, SimulatedClock) else SystemClock()
+        self.last: tuple[float, float, float] | None = None  # the run's, monotonic and system time then
         self.away: list[tuple[float, float]] = []  # spans of the run's time a clock step jumped over
         self.news: list[str] = []  # warnings for the caller to give (GreenSchedule.news where built together)
         self.told_step = False
@@ -215,13 +221,18 @@ class RunClock:
         if now < self.latest:  # the clock stepped back: the run's time carries on from where it was
             self.behind_s += self.latest - now
             now = self.latest
-        if self.monotonic is not None:
-            mono = float(self.monotonic())
+        if self.monotonic is not None or self.system is not None:
+            wall = math.nan if self.system is None else self.system.time()
+            mono = float(self.monotonic() if self.system is None else self.system.monotonic())
             if self.last is not None:
                 stepped = (now - self.last[0]) - (mono - self.last[1])
+                if self.system is not None:  # the system clock's step, where this clock moved as it did
+                    moved = wall - self.last[2]
+                    follows = abs(now - self.last[0] - moved) <= CLOCK_STEP_TOLERANCE_S
+                    stepped = moved - (mono - self.last[1]) if follows else 0.0
                 if stepped > CLOCK_STEP_TOLERANCE_S:
                     self.stepped(now - stepped, now)
-            self.last = (now, mono)
+            self.last = (now, mono, wall)
         self.latest = now
         return now
 
@@ -751,6 +762,8 @@ DURATION_FORMS = {  # what each duration field accepts besides a string with a u
     "max_delay": ", or a share >= 0 of the expected compute time (a number: 1.0 = 100%)",
     "options.slot": ", or a number of seconds > 0",
     "expected_duration": ", a number of seconds > 0, or None",
+    "options.signal_timeout": ", a number of seconds > 0, or None (the callable is then called on the "
+    "training thread, with no bound)",
 }
 
 
@@ -792,6 +805,11 @@ class GreenWindowOptions:
         unit: the signal's unit; ``gCO2eq/kWh`` gives savings in kg too, a price per energy (``EUR/MWh``) in
             money.
         report_dir: where the report goes; default the run's folder of the first logger (see the docs).
+        signal_timeout: how long a live ``signal``'s reading is waited for ("10s", or seconds > 0, of real
+            time); the callable runs on a thread of its own, and one that has not returned by then is a failed
+            reading. ``None``: it is called on the training thread, with no bound, as for a callable that
+            needs the main thread (a ``signal.alarm`` timeout, an asyncio event loop). Read by a callable
+            ``signal`` only.
     """
 
     slot: str | float = "1h"
@@ -799,12 +817,19 @@ class GreenWindowOptions:
     signal_start: str | None = None
     unit: str = "gCO2eq/kWh"
     report_dir: str | None = None
+    signal_timeout: str | float | None = LIVE_READ_TIMEOUT_S
 
     def __post_init__(self) -> None:
         plain_fields(self)  # np.float32(0.5) as 0.5, as the callbacks' own arguments
         self.slot_s = seconds_of(self.slot, "options.slot")
         if not self.slot_s:
             raise ValueError(f"`options.slot`={self.slot!r} must be a positive duration such as '1h'.")
+        self.signal_timeout_s = seconds_of(self.signal_timeout, "options.signal_timeout")
+        if self.signal_timeout_s == 0:  # never waited for: every reading would fail
+            raise ValueError(
+                f"`options.signal_timeout`={self.signal_timeout!r} must be a positive duration such as '10s'"
+                f"{DURATION_FORMS['options.signal_timeout']}."
+            )
         watts = self.watts
         if watts is not None and (
             isinstance(watts, bool) or not isinstance(watts, (int, float)) or not 0 <= watts < math.inf
@@ -1699,6 +1724,7 @@ def restart_run(
     schedule, energy_now = segment.schedule, None if account is None else account.wall_clock()
     read_kwh = (lambda: None) if account is None else account.kwh_now
     joined = schedule.start_fit(*steps)  # before `begin`: a run with no start of its own joined here
+    signal.start_fit()  # a live signal's first failure in this fit is warned
     signal.anchor(now, energy_now)  # a followed EnergyLogger's run start, moved onto this clock
     schedule.begin(now)
     away = None if suspended is None else suspended["at"]  # suspended: the time away was waited
@@ -1761,7 +1787,7 @@ def green_window_parts(
         policy = GreenWindowPolicy(
             checked_forecast, threshold, seconds_of(horizon, "horizon"), options.slot_s
         )
-        green_signal = GreenSignal(signal, options.signal_start, options.unit)
+        green_signal = GreenSignal(signal, options.signal_start, options.unit, options.signal_timeout_s)
         clock = clock or SystemClock()
         run_clock = RunClock(clock)
     except ValueError as error:

@@ -8,13 +8,16 @@ as :class:`~lightning_pulse.EnergyLogger` does (a run at its own dates or from a
 last value past the series' end, with one warning). A *live
 signal* is a callable returning ``(unix_seconds, value)`` (an API poll, a meter): its history is what it has
 returned so far, so no forecast can read its future. A reading stamped more than :data:`LIVE_AHEAD_S` ahead of
-the decision's clock (Unix milliseconds, a local time taken as UTC) is a failed reading.
+the decision's clock (Unix milliseconds, a local time taken as UTC), or that does not return within its
+bound (GreenWindow's ``options.signal_timeout``, :data:`LIVE_READ_TIMEOUT_S` by default), is a failed reading.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,14 @@ SignalSource = str | Path | Sequence[Any] | TimeSeries | Callable[[], tuple[floa
 #: further ahead moved every decision there (Unix milliseconds: to the year 52000; a local time read as UTC:
 #: by its offset), and its history with it. Two minutes more are allowed for a source's clock ahead of ours
 LIVE_AHEAD_S = 3600.0 + 120.0
+#: the default bound on a live reading (GreenWindow's ``options.signal_timeout``): one that has not returned
+#: after this many seconds (real time, on any clock) is a failed reading; the callable runs on a thread of its
+#: own, and the decision goes on without it. A call with no timeout of its own (an API poll on a dead
+#: connection) held the training thread for ever. Twice httpx's default timeout (5 s), so a client with a
+#: timeout of its own usually fails first, with its own message
+LIVE_READ_TIMEOUT_S = 10.0
+#: the setting that bounds a live reading, named by the messages about it
+TIMEOUT_SETTING = "`options.signal_timeout`"
 
 
 def is_pair_list(value: Any) -> bool:
@@ -158,16 +169,46 @@ class SignalUnreadable(ValueError):
     at fit start). The callable's own exception, if it raised, is the ``__cause__``."""
 
 
+class _Call:
+    """One call of a live signal's callable, on a daemon thread (a call that never returns must not keep the
+    process from exiting): :attr:`done` is set once it returned (:attr:`result`) or raised (:attr:`error`).
+
+    It runs in a copy of the caller's :mod:`contextvars` context, so a ``ContextVar`` (a config, a logging or
+    tracing context) or :mod:`decimal`'s context reads as on the training thread; thread-local state
+    (``threading.local``, ``torch.no_grad``) cannot be carried to another thread."""
+
+    def __init__(self, read: Callable[[], Any]) -> None:
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        threading.Thread(  # RuntimeError where no thread can start (a container at its pids limit)
+            target=contextvars.copy_context().run,
+            args=(self._run, read),
+            name="lightning-pulse-live-signal",
+            daemon=True,
+        ).start()
+
+    def _run(self, read: Callable[[], Any]) -> None:
+        try:
+            self.result = read()
+        except BaseException as error:  # handed to the caller's thread
+            self.error = error
+        finally:
+            self.done.set()
+
+
 class LiveSignal:
     """Readings of a callable ``read() -> (unix_seconds, value)``, kept as the history forecasts see.
 
     A reading older than the last one is ignored; one at the same time replaces it. Once a reading was good,
     a failed one (the callable raised, returned no pair of finite numbers, a value below 0, or a time outside
     :data:`~lightning_pulse.energy.carbon.DATED_RANGE` or more than :data:`LIVE_AHEAD_S` ahead of the clock's
-    ``now`` given to :meth:`observe`) is counted in
-    ``failed`` and the last good reading stands in for it, with one warning (``warn``: Lightning's
+    ``now`` given to :meth:`observe`, or it did not return within ``timeout_s``) is counted in ``failed``
+    and the last good reading stands in for it, with one warning a fit (``warn``: Lightning's
     ``rank_zero_warn`` by default): a meter that fails must not end a run. With no good reading yet,
-    :class:`SignalUnreadable` says why.
+    :class:`SignalUnreadable` says why. ``timeout_s``: seconds of real time a reading is waited for, the
+    callable running on a thread of its own (:meth:`_call`); ``None`` calls it on the caller's thread,
+    unbounded (one that needs the main thread: a ``signal.alarm`` timeout, an asyncio event loop).
     """
 
     def __init__(
@@ -176,14 +217,28 @@ class LiveSignal:
         name: str = "live",
         unit: str = "signal",
         warn: Callable[[str], None] | None = None,
+        timeout_s: float | None = LIVE_READ_TIMEOUT_S,
     ) -> None:
-        self.read, self.name, self.unit, self.warn = read, name, unit, warn
+        self.read, self.name, self.unit, self.warn, self.timeout_s = read, name, unit, warn, timeout_s
         self.times: list[float] = []
         self.values: list[float] = []
         self._series: TimeSeries | None = None
         self.failed = 0  # readings that failed, the last good one held in their place
         self.first_failure: dict[str, Any] | None = None
-        self._warned = False  # once per fit: a source that is down fails at every decision
+        self._warned = False  # once per fit (start_fit): a source that is down fails at every decision
+        self._late: _Call | None = None  # a call that timed out, not returned yet: no other starts meanwhile
+
+    def start_fit(self) -> None:
+        """A fit starts: its first failed reading is warned, even where an earlier fit's was (a resume into
+        the same instance, with a call of the earlier fit still out, ran on the held value and said
+        nothing)."""
+        self._warned = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``ddp_spawn``) or deep-copied (a sweep) after a fit: a call still out is not the copy's
+        (its thread and event are this process's; the event's lock does not pickle), so the copy asks
+        again."""
+        return {**self.__dict__, "_late": None}
 
     def observe(self, now: float | None = None) -> tuple[float, float]:
         """Read the callable at the clock's ``now`` (``None``: unchecked against a clock); returns ``(time,
@@ -192,11 +247,16 @@ class LiveSignal:
             moment, value = self._read(now)
         except SignalUnreadable as error:
             if not self.times:
+                # a callable that raised on the reading thread may need the training thread (see _call)
+                raised_there = error.__cause__ is not None and self.timeout_s is not None
+                there = f" (it ran on a thread of its own; {TIMEOUT_SETTING}=None calls it on the training "
+                there += "thread)"
                 raise SignalUnreadable(
-                    f"`signal`: {error}. That was its first reading, so no earlier one can stand in for it "
-                    f"(a later failure holds the last good reading). {LIVE_WAY_OUT}"
+                    f"`signal`: {str(error).rstrip('.')}{there if raised_there else ''}. That was its first "
+                    "reading, so no earlier one can stand in for it (a later failure holds the last good "
+                    f"reading). {LIVE_WAY_OUT}"
                 ) from error.__cause__
-            self._hold(str(error))
+            self._hold(str(error).rstrip("."))
             return self.times[-1], self.values[-1]
         if self.times and moment < self.times[-1]:
             return self.times[-1], self.values[-1]
@@ -211,10 +271,7 @@ class LiveSignal:
     def _read(self, now: float | None) -> tuple[float, float]:
         """One reading of the callable, checked (against the clock's ``now`` where given):
         :class:`SignalUnreadable` (no way out in it) if it failed."""
-        try:
-            reading = self.read()
-        except Exception as error:  # an API timeout, a meter that is down: any failure of the source
-            raise SignalUnreadable(f"the callable raised {type(error).__name__}: {error}") from error
+        reading = self._call()
         try:
             moment, value = reading
             moment, value = float(moment), float(value)
@@ -230,9 +287,51 @@ class LiveSignal:
             raise SignalUnreadable(self._misdated(reading, moment, now))
         return moment, value
 
+    def _call(self) -> Any:
+        """The callable's answer, waited for ``timeout_s`` at most; :class:`SignalUnreadable` if it raised or
+        did not answer in time. A call that timed out is left to finish on its thread, and no other starts
+        until it has: a source that hangs at every call would pile up a thread a decision. Its answer, when it
+        comes, is dropped: it is a reading of the moment it was asked for, and the next decision asks again
+        rather than take it as the value at its own, later time. ``timeout_s`` ``None``: called here."""
+        if self.timeout_s is None:
+            try:
+                return self.read()
+            except Exception as error:  # an API timeout, a meter that is down: any failure of the source
+                raise SignalUnreadable(f"the callable raised {type(error).__name__}: {error}") from error
+        bound = f"{self.timeout_s:g} s ({TIMEOUT_SETTING})"
+        if self._late is not None and not self._late.done.is_set():
+            raise SignalUnreadable(
+                f"the callable `{self._name}` has not returned from a reading that timed out after {bound}; "
+                "no other reading starts until it does"
+            )
+        try:
+            call = _Call(self.read)
+        except RuntimeError as error:  # can't start new thread
+            raise SignalUnreadable(
+                f"no thread could be started to call `{self._name}` ({error}); {TIMEOUT_SETTING}=None calls "
+                "it on the training thread"
+            ) from None
+        self._late = call  # out until it returns (a Ctrl-C in the wait leaves it out)
+        if not call.done.wait(min(self.timeout_s, threading.TIMEOUT_MAX)):
+            raise SignalUnreadable(
+                f"the callable `{self._name}` did not return within {bound}; give it a timeout of its own "
+                f"under that, or raise {TIMEOUT_SETTING} above its own (None calls it on the training "
+                "thread, with no bound)"
+            )
+        self._late, error = None, call.error
+        if isinstance(error, Exception):  # an API timeout, a meter that is down: any failure of the source
+            raise SignalUnreadable(f"the callable raised {type(error).__name__}: {error}") from error
+        if error is not None:  # SystemExit, KeyboardInterrupt: as if raised here, as before
+            raise error
+        return call.result
+
+    @property
+    def _name(self) -> str:
+        return getattr(self.read, "__qualname__", None) or type(self.read).__name__
+
     def _misdated(self, reading: Any, moment: float, now: float | None) -> str:
         """Why a reading's time is refused: outside the dates a signal has, or too far ahead of the clock."""
-        name = getattr(self.read, "__qualname__", None) or type(self.read).__name__
+        name = self._name
         ahead = -math.inf if now is None else moment - now
         where = f"{time_described(moment)}, outside {DATED_RANGE}"
         if now is not None and ahead > LIVE_AHEAD_S:
@@ -324,13 +423,19 @@ class GreenSignal:
         series_start: where a series is read from (the run's start maps there): ``options.signal_start`` as
             the user gave it (:func:`series_signal`); refused without a series of its own.
         unit: the signal's unit (``options.unit``); a followed EnergyLogger series keeps its own.
+        timeout_s: how long a live reading is waited for (``options.signal_timeout``; see
+            :class:`LiveSignal`).
     """
 
     def __init__(
-        self, source: SignalSource | None, series_start: float | str | None = None, unit: str = "signal"
+        self,
+        source: SignalSource | None,
+        series_start: float | str | None = None,
+        unit: str = "signal",
+        timeout_s: float | None = LIVE_READ_TIMEOUT_S,
     ) -> None:
         refuse_start_without_own_series(source, series_start)
-        self.live = LiveSignal(source, unit=unit) if callable(source) else None
+        self.live = LiveSignal(source, unit=unit, timeout_s=timeout_s) if callable(source) else None
         self.rate = (
             None
             if source is None or callable(source)
@@ -345,6 +450,11 @@ class GreenSignal:
 
     def use(self, rate: Rate) -> None:
         self.rate = rate
+
+    def start_fit(self) -> None:
+        """A fit (or a resume) starts: a live signal warns its first failed reading of it."""
+        if self.live is not None:
+            self.live.start_fit()
 
     def follow(self, rate: Rate) -> None:
         """At fit start: a signal with no source of its own (or that followed one in an earlier fit) follows
