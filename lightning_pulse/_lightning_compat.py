@@ -138,6 +138,167 @@ def frozen_metric_states(module: Any) -> Iterator[None]:
             metric._computed = computed
 
 
+class SkippedStepLogs:
+    """Takes what a skipped optimizer step logged (``self.log`` in ``training_step`` and the hooks up to
+    StabilityGuard's batch end, every micro-batch of its window) out of Lightning's epoch figures of the
+    training results, so that the NaN loss of a skipped step does not make ``train_loss_epoch`` NaN (and
+    ``EarlyStopping`` end the run). The step's own step values (``*_step``) are still published, as that step's.
+
+    Lightning's ``_ResultMetric.update`` rebinds ``value`` and ``cumulated_batch_size`` (``self.value =
+    self.value + value * batch_size``; ``reduce_fx(self.value, value)`` for a max or min), never writes into
+    them, so the references held at the step's first micro-batch (:meth:`step_starts`: a few attribute reads
+    per logged key, no copy, no sync) are the epoch's figures without the step: :meth:`take_out` puts them
+    back. A key the step logged first in its epoch goes back to its reset state, its step value kept; where no
+    applied step logs it later in the epoch, it gets no epoch figure (:meth:`epoch_ends`). A torchmetrics object
+    logged with ``self.log`` is the module's: its states keep what the step's update put in them, as all other
+    module state the step's code changed. Holds the results weakly, and the logged figures by key, so a
+    callback keeping it after the fit keeps no Trainer (and pickles).
+    """
+
+    def __init__(self, trainer: pl.Trainer | None = None) -> None:
+        # the fit's training results: one collection the training epoch loop keeps for all its epochs
+        results = None if trainer is None else trainer.fit_loop.epoch_loop._results
+        self._results: Callable[[], Any] | None = None if results is None else weakref.ref(results)
+        self._at_start: dict[str, tuple[Any, Any, int]] = {}  # key: (value, cumulated_batch_size, updates)
+        self._taken_out = 0  # steps taken out in this epoch
+        self._unlogged: set[str] = set()  # the keys a taken-out step logged first in the epoch
+        self._said: set[str] = set()  # the warnings said this fit, by kind
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_results": None, "_at_start": {}, "_unlogged": set()}
+
+    def _logged(self) -> Any:
+        return None if self._results is None else self._results()
+
+    def step_starts(self) -> None:
+        """At the first micro-batch of an optimizer step: hold every logged result's figures, by reference."""
+        if (results := self._logged()) is not None:
+            self._at_start = {
+                key: (result.value, result.__dict__.get("cumulated_batch_size"), result._update_count)
+                for key, result in results.items()
+            }
+
+    def take_out(self) -> None:
+        """At the batch end of a skipped step: put back the epoch's figures held at its start."""
+        if (results := self._logged()) is None:
+            return
+        held = self._at_start
+        for key, result in results.items():
+            if not result.is_tensor or not result.meta.on_epoch:
+                continue  # a torchmetrics object's states are the module's
+            entry = held.get(key)
+            if entry is not None and result._update_count == entry[2]:
+                continue  # not logged by the step
+            if entry is None or entry[2] == 0:  # logged first in the epoch by the step: as if it was not
+                step_value = result._forward_cache  # but for its step value, published at this batch end
+                result.reset()
+                result._forward_cache, result.has_reset = step_value, False
+                self._unlogged.add(key)
+                continue
+            result.value, batch_size, result._update_count = entry
+            if batch_size is not None:
+                result.cumulated_batch_size = batch_size
+            result._computed = None
+        self._taken_out += 1
+
+    def epoch_ends(self, trainer: pl.Trainer, warn: Callable[[str], Any]) -> None:
+        """At the training epoch's end, before the monitors read its figures, where a step of it was taken
+        out: a key only skipped steps logged in the epoch gets no epoch figure (the mean of nothing is
+        ``0 / 0``, NaN), and a monitored torchmetrics object holding a NaN is said; once a fit each."""
+        if not self._taken_out or (results := self._logged()) is None:
+            return
+        skipped, unlogged, self._taken_out, self._unlogged = self._taken_out, self._unlogged, 0, set()
+        monitors, emptied, nan_metrics = _monitors(trainer), [], []
+        for key, result in results.items():
+            if result.has_reset or not result.meta.on_epoch:
+                continue
+            if key in unlogged and result._update_count == 0:
+                result.has_reset = True  # left out of the epoch's figures, as a key not logged
+                emptied.append(result.meta)
+            elif not result.is_tensor and _read_by(result.meta, monitors) and _holds_nan(result.value):
+                nan_metrics.append(result.meta)
+        epoch = trainer.current_epoch
+        if emptied and "emptied" not in self._said:
+            self._said.add("emptied")
+            warn(_emptied_message(emptied, monitors, epoch))
+        if nan_metrics and "nan" not in self._said:
+            self._said.add("nan")
+            warn(_nan_metric_message(nan_metrics, monitors, epoch, skipped))
+
+
+def _monitors(trainer: pl.Trainer) -> dict[str, list[str]]:
+    """The training keys the fit's monitors read (:func:`training_key_monitors`), each with its monitors."""
+    found: dict[str, list[str]] = {}
+    for monitor, key in training_key_monitors(trainer):
+        found.setdefault(key, []).append(monitor)
+    return found
+
+
+def _read_by(meta: Any, monitors: Mapping[str, list[str]]) -> list[str]:
+    """The monitored keys among a logged value's epoch names (``name``, and ``name_epoch`` with ``on_step``)."""
+    return [key for key in dict.fromkeys((meta.name, meta.forked_name(False))) if key in monitors]
+
+
+def _holds_nan(metric: Any) -> bool:
+    """Whether a torchmetrics metric's floating-point states hold a NaN (one host read)."""
+    states = (getattr(metric, name, None) for name in getattr(metric, "_defaults", {}))
+    tensors = [
+        t
+        for state in states
+        for t in (state if isinstance(state, list) else [state])
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    return bool(torch.stack([t.isnan().any() for t in tensors]).any()) if tensors else False
+
+
+def _monitor_note(metas: list[Any], monitors: Mapping[str, list[str]]) -> str:
+    read = [monitor for meta in metas for key in _read_by(meta, monitors) for monitor in monitors[key]]
+    return f" Read by {', '.join(read)}." if read else ""
+
+
+def _emptied_message(metas: list[Any], monitors: Mapping[str, list[str]], epoch: int) -> str:
+    names = ", ".join(f"`{meta.name}`" for meta in metas)
+    return (
+        f"StabilityGuard: every step that logged {names} (`on_epoch=True`) in training epoch {epoch} was "
+        "skipped, so it has no figure for that epoch: a skipped step's logged values are left out of the "
+        "epoch's figures, and no applied step logged it. A monitor on it reads the last value published for "
+        "it: an earlier epoch's figure, or (for the name without `_epoch`, logged `on_step=True` too) the step "
+        "value of the last step that logged it, here a skipped one, maybe NaN; where none was, Lightning says "
+        f"the key is missing.{_monitor_note(metas, monitors)} Said once a fit."
+    )
+
+
+def _nan_metric_message(metas: list[Any], monitors: Mapping[str, list[str]], epoch: int, skipped: int) -> str:
+    names = ", ".join(f"`{meta.name}`" for meta in metas)
+    return (
+        f"StabilityGuard: the torchmetrics object(s) logged as {names} hold a NaN at the end of training epoch "
+        f"{epoch}, in which {skipped} step(s) were skipped: a metric's states are the module's, and the guard "
+        "takes a skipped step's logged values out of the epoch's figures, not the updates its "
+        "`training_step` made to a metric. Its epoch figure is likely NaN, which a monitor takes for a bad "
+        "epoch (`EarlyStopping` stops). Let the metric leave NaN out (`MeanMetric(nan_strategy='ignore')`), "
+        f"or update it only with finite values.{_monitor_note(metas, monitors)} Said once a fit."
+    )
+
+
+def _logged_result_problems() -> list[str]:
+    """What :class:`SkippedStepLogs` relies on in Lightning's ``_ResultMetric``: its attributes, and an update
+    that rebinds ``value`` and ``cumulated_batch_size`` (a reference held before it keeps the figure)."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    results = _ResultCollection(training=True)
+    results.log("training_step", "loss", torch.tensor(1.0), on_step=True, on_epoch=True, batch_size=2)
+    result = next(iter(results.values()))
+    names = ("value", "cumulated_batch_size", "has_reset", "_forward_cache", "_update_count", "_computed")
+    problems = [f"_ResultMetric.{name}" for name in (*names, "is_tensor", "meta") if name not in vars(result)]
+    if problems:
+        return problems
+    value, batch_size = result.value, result.cumulated_batch_size
+    results.log("training_step", "loss", torch.tensor(3.0), on_step=True, on_epoch=True, batch_size=2)
+    if result.value is value or result.cumulated_batch_size is batch_size or float(value) != 2.0:
+        problems.append("_ResultMetric.update rebinding value and cumulated_batch_size")
+    return problems
+
+
 def private_api_problems() -> list[str]:
     """Names of the private attributes this module relies on that the installed versions no longer have."""
     from torchmetrics.aggregation import MeanMetric
@@ -154,6 +315,7 @@ def private_api_problems() -> list[str]:
 
     if "_batches_that_stepped" not in _TrainingEpochLoop.__init__.__code__.co_names:
         problems.append("_TrainingEpochLoop._batches_that_stepped")
+    problems += _logged_result_problems()
     if "_current_fx_name" not in vars(pl.LightningModule()):
         problems.append("LightningModule._current_fx_name")
     if "_scale" not in vars(torch.amp.GradScaler("cpu")):

@@ -13,9 +13,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.nn.utils import prune, spectral_norm, weight_norm
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric, Metric, MetricCollection
 
 from lightning_pulse import HardSampleReplay, PulseCycle
-from lightning_pulse.core.carried_state import CarriedStateCheck
+from lightning_pulse.core.carried_state import CarriedStateCheck, batch_shaped_attributes, carried_tensors
 from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 
@@ -461,3 +462,79 @@ def test_a_fixed_table_held_as_a_plain_attribute_as_wide_as_the_batch_is_no_carr
     trainer = pl.Trainer(callbacks=[HardSampleReplay()], max_epochs=3, **trainer_kwargs())
     with pytest.raises(PulseRefusal, match=r"`state` \(tensor of shape \(32, 4\)\)"):
         trainer.fit(_FixedTable(state_from_init=True), loader)
+
+
+class _SeenLabels(Metric):
+    """A user's own metric, as torchmetrics' "implementing a metric" page writes one: a list state reduced by
+    ``cat``, and a ``(B,)`` state read and replaced at every update (the labels of the batch before)."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("labels", default=[], dist_reduce_fx="cat")
+        self.add_state("previous", default=torch.full((32,), -1.0), dist_reduce_fx=None)
+        self.add_state("repeats", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, y: torch.Tensor) -> None:
+        self.labels.append(y)
+        if self.previous.shape == y.shape:
+            self.repeats += (self.previous == y).sum()
+        self.previous = y.float()
+
+    def compute(self) -> torch.Tensor:
+        return torch.cat(self.labels).float().mean()
+
+
+class _WithOwnMetric(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.seen = _SeenLabels()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.update(y)
+        self.log("mean_label", self.seen, on_step=False, on_epoch=True)
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("mode", ["steps", "batch"])
+def test_a_users_own_torchmetrics_metric_is_not_refused_as_a_stateful_rnns_carried_state(mode, tmp_path):
+    """Sweep s41 (metrics 1): the check recognised a metric by the package its class lives in, so a metric the
+    user defined (a list state, the torchmetrics docs' pattern; a ``(B,)`` state read and replaced at every
+    update) was refused at step 2 as "a stateful RNN", with ways out that destroy an epoch metric."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(320, 16, generator=generator), torch.randint(0, 4, (320,), generator=generator)
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay(mode=mode)],
+        max_epochs=2,
+        default_root_dir=tmp_path,
+        **trainer_kwargs(),
+    )
+    module = _WithOwnMetric()
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True))
+    assert trainer.current_epoch == 2 and trainer.global_step > 2  # refused at step 2 before
+    assert "mean_label" in trainer.callback_metrics
+
+
+def test_carried_tensors_and_candidates_leave_out_every_metric_state_the_users_own_too():
+    """A rollback returns carried tensors (an RNN's hidden state), never a metric's states, which count what
+    ran this epoch (sweep s41, metrics 2); nor is a metric's state a candidate for carried state."""
+
+    class Module(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.own, self.mean = _SeenLabels(), MeanMetric()
+            self.group = MetricCollection({"mean": MeanMetric()})
+            self.state = torch.zeros(32, 8)  # a hidden state carried to the next batch
+
+    module = Module()
+    module.own.update(torch.zeros(32))
+    module.mean.update(torch.ones(32))
+    assert list(carried_tensors(module)) == ["state"]
+    assert list(batch_shaped_attributes(module, 32)) == ["state"]

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
@@ -181,8 +182,9 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         self._keep_gradients = compat.gradients_read_before_step(trainer, pl_module, self)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
-        # HardSampleReplay cuts batches in place and tells their rows
-        self._record = steps.StepRecord.of_callbacks(trainer.callbacks, HardSampleReplay, pl_module.device)
+        # HardSampleReplay cuts batches in place and tells their rows; a skipped step's logs leave the epoch's
+        logs, device = compat.SkippedStepLogs(trainer), pl_module.device
+        self._record = steps.StepRecord.of_callbacks(trainer.callbacks, HardSampleReplay, device, logs)
         self._entry_watch.watch(trainer, self._entered)  # after every batch-start hook and a cut
         self.core.start(trainer.global_step, trainer.optimizers, pl_module)  # refuses a ZeRO optimizer
         self.core.snapshot_owed = True  # the start is good: snapshot after all on_train_start (or at batch 0)
@@ -199,9 +201,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         self._record.add(batch_idx, batch)  # its generator states: at training_step's entry (_entered)
 
     @override
-    def on_before_backward(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
-    ) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         record = self._record  # inline, not a record method: a hook of every micro-batch
         record.losses.append(loss.detach())  # read once per optimizer step, with the gradient norm
         if record.cut is not None and record.batches:  # after every batch-start hook: the cut is made
@@ -222,8 +222,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         if decided is Action.APPLY:  # SAM applies its second's gradient; spikes are judged on the first
             changes, keep = self._changes, self._keep_gradients  # a non-finite one: a skip
             return self.core.judge_later_step(record, step, loss, grad_norm, changes, optimizer, keep)
-        # the baseline key of the step: its pulse phase, or the one fixed key
-        key = self._fixed_key if self._cycle is None else self._cycle.phase.value
+        key = self._fixed_key if self._cycle is None else self._cycle.phase.value  # baseline: phase or fixed
         # a flagged step's checks read the trainer; a note (said once) and their warnings point here
         verdict, action, cause = self.core.judge_step(
             record, step, loss, grad_norm, key, partial(self._flagged_step, trainer, pl_module), _warn_here
@@ -247,6 +246,10 @@ class StabilityGuard(compat.PulseStateKey, Callback):
             self._roll_back(trainer, pl_module, action)
         if action is not Action.APPLY:
             log_to_loggers(trainer, self.metrics())
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record.logs.epoch_ends(trainer, _warn_here)  # before the monitors read the epoch's figures
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -299,8 +302,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
 
     # ------------------------------------------------------------------ flagged steps
     def _flagged_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> steps.FlaggedStep:
-        """What the checks of the step being judged read from the trainer (``stability_steps.FlaggedStep``),
-        its losses through ``probe.training_losses`` (autograd off) and ``probe.losses_at``."""
+        """What the judged step's checks read from the trainer (``steps.FlaggedStep``), losses via ``probe``."""
         return steps.FlaggedStep(
             pl_module,
             trainer.global_step,
@@ -335,10 +337,8 @@ class StabilityGuard(compat.PulseStateKey, Callback):
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Snapshot the state unless a rank holds values a rollback must not return to (said once)."""
-        state = self._training_state(trainer)
-        self.core.take_snapshot(
-            trainer.global_step, pl_module, *state, rank_zero_warn, self._sum_over_ranks(trainer)
-        )
+        state, sums = self._training_state(trainer), self._sum_over_ranks(trainer)
+        self.core.take_snapshot(trainer.global_step, pl_module, *state, rank_zero_warn, sums)
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
         """Return to the newest snapshot taken ``rollback_margin`` steps before the incident; then go on

@@ -55,6 +55,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from torchmetrics import Metric, MetricCollection
 
 _MAX_ITEMS = 16  # a longer list is a log of outputs, not a hidden state
 
@@ -97,7 +98,24 @@ def _recomputed_before_forward(module: nn.Module) -> set[str]:
 
 
 def _skipped(module: nn.Module) -> bool:
-    return type(module).__module__.split(".")[0] == "torchmetrics"
+    """Whether ``module`` is a torchmetrics metric (one of the user's own subclasses included) or collection
+    of them: a metric's states accumulate over an epoch, are reset by Lightning and are never carried state.
+    By type, not by the package of its class: a user's own ``Metric`` with a list state was refused as an
+    RNN's state."""
+    return isinstance(module, (Metric, MetricCollection))
+
+
+def _outside_metrics(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``module.named_modules()`` without torchmetrics metrics and collections (:func:`_skipped`) and the
+    modules inside them (a wrapper metric's inner metric, a metric's feature extractor)."""
+    metrics: list[str] = []  # the dotted paths of the metrics met, each followed by a dot
+    for prefix, submodule in module.named_modules():
+        if any(f"{prefix}.".startswith(metric) for metric in metrics):
+            continue
+        if _skipped(submodule):
+            metrics.append(f"{prefix}." if prefix else "")
+            continue
+        yield prefix, submodule
 
 
 def batch_shaped_attributes(module: nn.Module, batch_size: int) -> dict[str, tuple[Tensor, ...]]:
@@ -108,9 +126,7 @@ def batch_shaped_attributes(module: nn.Module, batch_size: int) -> dict[str, tup
     weights a pruning or weight-norm pre-hook computes before every forward
     (:func:`_recomputed_before_forward`)."""
     found: dict[str, tuple[Tensor, ...]] = {}
-    for prefix, submodule in module.named_modules():
-        if _skipped(submodule):
-            continue
+    for prefix, submodule in _outside_metrics(module):
         recomputed = _recomputed_before_forward(submodule)
         for name, value in [*_plain_attributes(submodule), *submodule.named_buffers(recurse=False)]:
             if name in recomputed:
@@ -261,8 +277,7 @@ class CarriedStateCheck:
         batch size) is no candidate: state carried from batch to batch is assigned anew at every batch."""
         attributes = [
             (f"{prefix}.{name}" if prefix else name, value)
-            for prefix, submodule in module.named_modules()
-            if not _skipped(submodule)
+            for prefix, submodule in _outside_metrics(module)
             for name, value in _plain_attributes(submodule)
         ]
         self._lists_before = {
@@ -429,9 +444,14 @@ def carried_tensors(module: nn.Module) -> dict[str, Any]:
     """The tensors modules hold as plain attributes, neither parameters nor buffers, by dotted name: e.g. an
     RNN's hidden state carried from one batch to the next (a tensor, or a short tuple, list or dict of tensors).
     Attributes that are ``None`` are listed too (a hidden state before the first batch). They are part of the
-    model's state a rollback must return: a NaN carried there would outlive the restore of the parameters."""
+    model's state a rollback must return: a NaN carried there would outlive the restore of the parameters.
+
+    torchmetrics metrics are left out (:func:`_outside_metrics`): their states count what ran over the epoch,
+    which Lightning computes, logs and resets at its end, so a rollback to a snapshot of an earlier epoch
+    brought that epoch's counts back into this one (an accuracy over 2629 samples in an epoch of 1797); and a
+    NaN a metric recorded (a loss averaged without dropping NaN) is no state of the model's."""
     found: dict[str, Any] = {}
-    for prefix, submodule in module.named_modules():
+    for prefix, submodule in _outside_metrics(module):
         for name, value in _plain_attributes(submodule):
             if value is None or tensors_in(value):
                 found[f"{prefix}.{name}" if prefix else name] = value
@@ -556,9 +576,7 @@ def kept_python_state(module: nn.Module) -> Iterator[None]:
     ``frozen_metric_states`` gives back) are left alone.
     """
     saved: list[tuple[Any, str, Any, Contents]] = []
-    for owner in module.modules():
-        if _skipped(owner):
-            continue
+    for _, owner in _outside_metrics(module):
         for name, value in vars(owner).items():
             if _python_state(name, value):
                 saved.append((owner, name, value, _contents(value)))

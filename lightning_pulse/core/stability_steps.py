@@ -328,9 +328,11 @@ class StepRecord:
     baseline key while it is judged, and its action once decided; and the last applied step's micro-batches
     and states, the ordinary batch of the rollback test. ``cut``: a callback that cuts batches in place
     (``HardSampleReplay``), which tells the dataset indices of the rows it kept (``trained_indices``).
-    ``device``: the module's, whose CUDA generator is recorded too."""
+    ``device``: the module's, whose CUDA generator is recorded too. ``logs``: what the step logs into the
+    epoch's figures (``compat.SkippedStepLogs``): held at its first micro-batch, taken out at the batch end of
+    a step whose update is dropped."""
 
-    def __init__(self, cut: Any = None, device: torch.device | str | None = None) -> None:
+    def __init__(self, cut: Any = None, device: torch.device | str | None = None, logs: Any = None) -> None:
         self.losses: list[Any] = []  # the micro-batch losses of the current optimizer step
         # and its micro-batches: by reference from the guard's batch start, their containers copied once
         # training_step is entered (what it received, before it pops entries: :meth:`entered`)
@@ -356,22 +358,31 @@ class StepRecord:
         # whether the optimizer evaluates the closure more than once a step (SAM, LBFGS), which applied steps
         # tell (``None`` before the first): then a later evaluation may still skip the step
         self.repeats: bool | None = None
+        self.logs = logs
 
     @classmethod
     def of_callbacks(
-        cls, callbacks: Sequence[Any], cut_type: type, device: torch.device | str | None = None
+        cls,
+        callbacks: Sequence[Any],
+        cut_type: type,
+        device: torch.device | str | None = None,
+        logs: Any = None,
     ) -> StepRecord:
         """The record of a fit with ``callbacks``: the first that is a ``cut_type`` (``HardSampleReplay``) is
         its ``cut``."""
-        return cls(next((callback for callback in callbacks if isinstance(callback, cut_type)), None), device)
+        cut = next((callback for callback in callbacks if isinstance(callback, cut_type)), None)
+        return cls(cut, device, logs)
 
     def add(self, batch_idx: int, batch: Any) -> None:
         """Keep a micro-batch at its batch start, by reference (until :meth:`entered`). An epoch's first batch
         opens a window: what a window left behind goes (a module's ``on_train_batch_start`` that returns -1
-        ends the epoch inside a window, with no step), so the step is judged and re-run on its own batches."""
+        ends the epoch inside a window, with no step), so the step is judged and re-run on its own batches.
+        A window's first micro-batch holds what was logged so far (``logs``)."""
         if batch_idx == 0 and self.batches:
             self.drop_window(ended=True)
         self.batches.append((batch_idx, batch))
+        if len(self.batches) == 1 and self.logs is not None:  # the step's first micro-batch
+            self.logs.step_starts()
 
     def entered(self, batch: Any) -> None:
         """At ``training_step``'s entry, the batch it gets: after every batch-start hook (the guard's or not,
@@ -418,7 +429,8 @@ class StepRecord:
 
     def end(self) -> Action | None:
         """At a batch end: the step's action, its micro-batches let go (an applied step's kept as the
-        reference); ``None`` inside an accumulation window (nothing decided yet)."""
+        reference; a dropped step's logged values taken out of the epoch's figures, ``logs``); ``None`` inside
+        an accumulation window (nothing decided yet)."""
         action, self.decided = self.decided, None
         if action is None:
             return None
@@ -427,6 +439,8 @@ class StepRecord:
             self.reference = self.batches  # an ordinary batch, for the rollback test
             self.reference_drawn = self.drawn
             self.repeats = self.repeats or self.evaluations > 1
+        elif self.logs is not None:  # dropped: what it logged leaves the epoch's figures
+            self.logs.take_out()
         self.batches, self.drawn, self.trained, self.evaluations = [], {}, {}, 0
         return action
 

@@ -1,0 +1,173 @@
+"""What a StabilityGuard skip or rollback does to what the module logs and to its torchmetrics metrics (sweep
+s41, metrics findings 2 and 3): a skipped step's logged values leave Lightning's epoch figures, and a rollback
+leaves the module's metric states alone."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, EarlyStopping
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_pulse import StabilityGuard
+from tests.conftest import trainer_kwargs
+
+SAMPLES, BATCH = 320, 32  # 10 batches an epoch
+
+
+def _data(nan_rows=()) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(SAMPLES, 16, generator=generator), torch.randint(0, 4, (SAMPLES,), generator=generator)
+    x[list(nan_rows)] = float("nan")  # bad samples: their steps are skipped as the data's fault
+    return TensorDataset(x, y)
+
+
+class _Logging(pl.LightningModule):
+    """Logs its loss as a mean (step and epoch), a max and a sum of rows; keeps each micro-batch's loss and
+    size. ``only_nan``: logs a key only when the loss is not finite. ``damage_at``: a NaN put into a weight
+    at that step (the guard rolls back at once). ``metric``: a ``MeanMetric`` that keeps NaN, logged as an
+    object."""
+
+    def __init__(self, only_nan: bool = False, damage_at: int | None = None, metric: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.only_nan, self.damage_at = only_nan, damage_at
+        self.accuracy = MulticlassAccuracy(num_classes=4, average="micro")
+        self.mean_loss = MeanMetric(nan_strategy="disable") if metric else None
+        self.rows: list[tuple[int, int, int, float, int]] = []  # epoch, step, batch_idx, loss, batch size
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == self.damage_at:
+            self.damage_at = None
+            with torch.no_grad():
+                self.net[0].weight[0, 0] = float("nan")
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.rows.append((self.current_epoch, self.global_step, batch_idx, float(loss.detach()), len(x)))
+        self.accuracy.update(logits, y)
+        self.log("train_acc", self.accuracy, on_step=False, on_epoch=True)  # Lightning resets it at epoch end
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        self.log("max_loss", loss, on_step=False, on_epoch=True, reduce_fx="max")
+        self.log("rows", float(len(x)), on_step=False, on_epoch=True, reduce_fx="sum")
+        if self.only_nan and not torch.isfinite(loss):
+            self.log("nan_loss", loss, on_step=False, on_epoch=True)
+        if self.mean_loss is not None:
+            self.mean_loss.update(loss.detach())
+            self.log("mean_loss", self.mean_loss, on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class _Epochs(Callback):
+    """Listed after the guard: the optimizer steps it dropped (by the counter before them), each epoch's
+    figures as the monitors read them, and the samples the accuracy metric counted in it."""
+
+    def __init__(self, guard: StabilityGuard) -> None:
+        self.guard, self.dropped, self.figures, self.counted = guard, set(), {}, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.guard.undoes_step(trainer.global_step):  # only true at a window's end
+            self.dropped.add(trainer.global_step - 1)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.figures[trainer.current_epoch] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        accuracy = pl_module.accuracy
+        self.counted[trainer.current_epoch] = int((accuracy.tp + accuracy.fn).sum())
+
+
+def _fit(tmp_path, module, data, guard, *callbacks, epochs=2, **kwargs):
+    pl.seed_everything(0)
+    epochs_seen = _Epochs(guard)
+    trainer = pl.Trainer(
+        callbacks=[guard, epochs_seen, *callbacks],
+        max_epochs=epochs,
+        default_root_dir=tmp_path,
+        **trainer_kwargs(**kwargs),
+    )
+    trainer.fit(module, DataLoader(data, batch_size=BATCH))
+    return trainer, epochs_seen
+
+
+def _applied(module: _Logging, epochs: _Epochs, epoch: int) -> list[tuple[float, int]]:
+    """Each applied micro-batch's loss and size in ``epoch``."""
+    return [
+        (loss, size) for e, step, _, loss, size in module.rows if e == epoch and step not in epochs.dropped
+    ]
+
+
+def test_a_skipped_nan_step_leaves_the_epoch_loss_finite_and_early_stopping_trains_every_epoch(tmp_path):
+    """The guard's headline case, three NaN samples: their steps were skipped, but the NaN loss they logged
+    stayed in Lightning's epoch mean, so ``train_loss_epoch`` was NaN every epoch and
+    ``EarlyStopping(monitor="train_loss_epoch")`` silently ended a 4-epoch run after its first epoch."""
+    module, guard = _Logging(), StabilityGuard()
+    stopping = EarlyStopping(monitor="train_loss_epoch", patience=3)
+    trainer, epochs = _fit(tmp_path, module, _data([5, 100, 250]), guard, stopping, epochs=4)
+    assert guard.steps_skipped == 12 and trainer.current_epoch == 4
+    for epoch, figures in epochs.figures.items():
+        applied = _applied(module, epochs, epoch)
+        assert len(applied) == 7
+        mean = sum(loss * size for loss, size in applied) / sum(size for _, size in applied)
+        assert figures["train_loss_epoch"] == pytest.approx(mean, rel=1e-5)
+        assert figures["max_loss"] == pytest.approx(max(loss for loss, _ in applied), rel=1e-6)
+        assert figures["rows"] == sum(size for _, size in applied)
+
+
+def test_every_micro_batch_of_a_skipped_accumulation_window_leaves_the_epoch_figures(tmp_path):
+    """Gradient accumulation: all micro-batches of a skipped optimizer step are taken out, the fit's first
+    window included (every key is created by that skipped step)."""
+    module, guard = _Logging(), StabilityGuard()
+    trainer, epochs = _fit(tmp_path, module, _data([0, 150]), guard, accumulate_grad_batches=2)
+    assert guard.steps_skipped == 4 and trainer.global_step == 10
+    for epoch, figures in epochs.figures.items():
+        applied = _applied(module, epochs, epoch)
+        assert len(applied) == 6  # windows (0, 1) and (4, 5) skipped
+        mean = sum(loss * size for loss, size in applied) / sum(size for _, size in applied)
+        assert figures["train_loss_epoch"] == pytest.approx(mean, rel=1e-5)
+        assert figures["max_loss"] == pytest.approx(max(loss for loss, _ in applied), rel=1e-6)
+        assert figures["rows"] == sum(size for _, size in applied)
+
+
+def test_a_key_only_skipped_steps_logged_has_no_epoch_figure_and_is_said_once(tmp_path):
+    """Where every step that logged a key in an epoch was skipped, the key has no figure for it (not the NaN
+    of ``0 / 0``), and the guard says so once, naming the key and its monitor."""
+    module, guard = _Logging(only_nan=True), StabilityGuard()
+    stopping = EarlyStopping(monitor="train_loss_epoch", patience=3)
+    with pytest.warns(UserWarning, match="every step that logged `nan_loss`") as said:
+        _, epochs = _fit(tmp_path, module, _data([5]), guard, stopping)
+    assert sum("nan_loss" in str(w.message) for w in said) == 1
+    assert all("nan_loss" not in figures for figures in epochs.figures.values())
+
+
+def test_a_monitored_metric_object_holding_a_nan_after_a_skipped_step_is_said(tmp_path):
+    """A torchmetrics object is the module's: the guard leaves its states as the step's update left them.
+    A monitored one that keeps NaN (``nan_strategy="disable"``) is said, naming it and its monitor, instead of
+    letting EarlyStopping end the run without a word."""
+    module, guard = _Logging(metric=True), StabilityGuard()
+    with pytest.warns(
+        UserWarning, match=r"logged as `mean_loss` hold a NaN.*Read by EarlyStopping\(monitor='mean_loss'\)"
+    ):
+        _fit(tmp_path, module, _data([5]), guard, EarlyStopping(monitor="mean_loss", patience=3))
+
+
+def test_a_rollback_to_an_earlier_epochs_snapshot_leaves_this_epochs_metric_states_alone(tmp_path):
+    """A rollback returned the module's torchmetrics states with the snapshot: one taken at the end of epoch
+    0 brought epoch 0's counts, already logged and reset, back into epoch 1 (twice the samples an epoch
+    has). Metrics record what ran, as the logged values of the steps a rollback undid; the flagged step and
+    the skips after the rollback leave the epoch's logged figures."""
+    module = _Logging(damage_at=13)  # epoch 1's fourth step; the snapshot of step 10 ends epoch 0
+    guard = StabilityGuard(snapshot_every=5, rollback_margin=2, skip_after_rollback=3)
+    trainer, epochs = _fit(tmp_path, module, _data(), guard)
+    assert guard.rollbacks == 1 and guard.events[-1]["to_step"] == 10
+    assert epochs.dropped == {13, 14, 15, 16}
+    assert epochs.counted == {0: SAMPLES, 1: SAMPLES}  # every training_step's update, this epoch's only
+    applied = _applied(module, epochs, 1)
+    mean = sum(loss * size for loss, size in applied) / sum(size for _, size in applied)
+    assert epochs.figures[1]["train_loss_epoch"] == pytest.approx(mean, rel=1e-5)
