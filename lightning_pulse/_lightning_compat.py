@@ -316,6 +316,15 @@ def private_api_problems() -> list[str]:
     if "_batches_that_stepped" not in _TrainingEpochLoop.__init__.__code__.co_names:
         problems.append("_TrainingEpochLoop._batches_that_stepped")
     problems += _logged_result_problems()
+    if hasattr(_TrainingEpochLoop, "update_restart_stage"):  # restart stages (Lightning 2.5): read past skips
+        from lightning.pytorch.loops import training_epoch_loop
+
+        stages = getattr(training_epoch_loop, "RestartStage", None)
+        named = all(
+            hasattr(stages, name) for name in ("NONE", "RESTARTED_ON_TRAIN_BATCH_END", "RESTARTED_ON_LAST")
+        )
+        if not named or "_restart_stage" not in _TrainingEpochLoop.__init__.__code__.co_names:
+            problems.append("_TrainingEpochLoop._restart_stage, RestartStage")
     if "_current_fx_name" not in vars(pl.LightningModule()):
         problems.append("LightningModule._current_fx_name")
     if "_scale" not in vars(torch.amp.GradScaler("cpu")):
@@ -1453,6 +1462,14 @@ def close_restored_epoch(trainer: pl.Trainer, cut_short: bool = False) -> None:
         if fit_loop.epoch_progress.current.completed < fit_loop.epoch_progress.current.processed:
             fit_loop.epoch_progress.increment_completed()
         return
+    epoch_loop = fit_loop.epoch_loop
+    last_batch = epoch_loop.restarted_on_train_batch_end and epoch_loop.batch_progress.is_last_batch
+    if fit_loop.restarted_mid_epoch and last_batch:
+        # Lightning's reset closed the epoch saved at its last batch but went on with the next one as one
+        # restored mid-epoch: never counted started, its start hooks not called. A checkpoint saved inside it
+        # read as one saved at an epoch's end, and its resume began that epoch's `batch_idx` at 0 again (the
+        # batch a -1 keyed on it skips trained). The next epoch starts as in the uninterrupted run.
+        fit_loop.reset_restart_stage()
     progress = fit_loop.epoch_loop.batch_progress.current
     total = trainer.num_training_batches
     if isinstance(total, int) and total > progress.ready:
@@ -1463,6 +1480,53 @@ def close_restored_epoch(trainer: pl.Trainer, cut_short: bool = False) -> None:
     # loop, which runs that end again, would count it twice, so the run lost its last epoch
     epochs = fit_loop.epoch_progress.current
     epochs.processed = min(epochs.processed, epochs.completed)
+
+
+def restart_past_skipped_batches(trainer: pl.Trainer) -> Callable[[], None]:
+    """Call inside the data set-up of a fit that a step-saving plan drives (before the fit loop's ``reset``):
+    let Lightning decide where the restored epoch goes on as it would had every batch that the module's
+    ``on_train_batch_start`` returned -1 for in an earlier epoch started and completed. Returns a function
+    removing the hook (it removes itself once it ran).
+
+    Lightning reads the batch counters of all epochs (``update_restart_stage``): a checkpoint saved in
+    ``on_train_batch_end`` has every batch started and processed and all but the latest completed. A skipped
+    batch counts ready and processed, never started nor completed, so after one no later checkpoint matched:
+    the batch saved at was not completed, ``batch_idx`` stayed one behind (a -1 keyed on it came a batch
+    late) and an epoch saved at its last batch was not closed (the resume trained the next pass's first batch
+    in it, and the plan took it for an epoch ended after one batch). A skip in the restored epoch itself (it
+    ended the epoch there) is left as Lightning reads it. Lightning < 2.5 has no restart stages: nothing."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not callable(getattr(epoch_loop, "update_restart_stage", None)):
+        return lambda: None
+
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
+        def update_restart_stage() -> None:
+            original()
+            if state["active"]:
+                remove()
+                _restart_stage_past_skips(epoch_loop)
+
+        return update_restart_stage
+
+    remove = _wrap_on_instance(epoch_loop, "update_restart_stage", wrap)
+    return remove
+
+
+def _restart_stage_past_skips(epoch_loop: Any) -> None:
+    from lightning.pytorch.loops.training_epoch_loop import RestartStage
+
+    total, current = epoch_loop.batch_progress.total, epoch_loop.batch_progress.current
+    # this epoch's batches have each run through (no skip ended it); earlier epochs' skips are the gap left
+    skipped = int(total.processed - total.started) - int(current.processed - current.started)
+    if not epoch_loop.restarting or epoch_loop._restart_stage != RestartStage.NONE or skipped <= 0:
+        return
+    started, completed = total.started + skipped, total.completed + skipped
+    if started != total.ready or total.processed != started:
+        return
+    if completed == total.processed - 1:
+        epoch_loop._restart_stage = RestartStage.RESTARTED_ON_TRAIN_BATCH_END
+    elif completed == total.processed:
+        epoch_loop._restart_stage = RestartStage.RESTARTED_ON_LAST
 
 
 def forget_earlier_fit_validation(trainer: pl.Trainer) -> None:

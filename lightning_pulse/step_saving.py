@@ -168,6 +168,8 @@ class StepSavingLoader:
         self._batches_drawn = 0  # this fit's, all epochs
         # under DDP, every rank's cuts of the batches drawn ahead of a rollback, for rank 0's checkpoint
         self._ranks_read_ahead = RanksReadAhead()
+        # a restored fit: Lightning's restart read past the batches a -1 skipped (see install), until it ran
+        self._remove_restart_hook: Callable[[], None] | None = None
         self._drawn_before_epoch = 0  # by the end of the previous epoch (see on_train_epoch_end)
         self._restored_epoch_open = False  # the fit's first epoch goes on from a checkpoint: it may draw none
         self._training_started = False  # on_train_start ran: Lightning sets each pass's sampler epoch first
@@ -333,6 +335,8 @@ class StepSavingLoader:
         self._choose = choose
         self._sampler = PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches, self._cut)
         compat.replace_batch_sampler(loader, self._sampler)
+        if compat.epoch_restarting(trainer):  # the plan goes on after the batch saved at, as Lightning would
+            self._remove_restart_hook = compat.restart_past_skipped_batches(trainer)  # without earlier skips
         if cycle is not None:
             cycle.adopt_plan(plan)
         replanned = self.stream.replanned_for_another_length
@@ -385,7 +389,8 @@ class StepSavingLoader:
         self.stream.join_at(epoch, trainer.global_step)
 
     def __getstate__(self) -> dict[str, Any]:  # pickled (``ddp_spawn``, a sweep's copy) without the Trainer
-        return {**self.__dict__, "_trainer": None, "_deferred": None, "_capped": None}
+        unpicklable = dict(_trainer=None, _deferred=None, _capped=None, _remove_restart_hook=None)
+        return {**self.__dict__, **unpicklable}
 
     def uncap(self, trainer: pl.Trainer) -> None:
         """Set ``trainer.max_steps`` back as the user set it before a new fit of ``trainer``, unless changed
@@ -402,6 +407,9 @@ class StepSavingLoader:
         keeps none of them alive, and pickles)."""
         if fit_ended:
             self._trainer = self._deferred = None
+        remove, self._remove_restart_hook = self._remove_restart_hook, None
+        if remove is not None:  # a fit that never reached its loops' reset (nothing left to train)
+            remove()
         loader, self.loader = self.loader, None
         if loader is None:
             return

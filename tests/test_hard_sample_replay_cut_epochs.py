@@ -176,14 +176,36 @@ class SaveAtEpochEnd(ModelCheckpoint):
 
 @pytest.mark.parametrize(
     "resume_at",
-    ["step-5", "step-8", "epoch-0-end", "step-12", "epoch-2-end"],
+    [
+        "step-5",
+        "step-8",
+        "epoch-0-end",
+        "step-12",
+        "step-16",
+        "step-17",
+        "epoch-2-end",
+        "accumulate-2-step-6",
+        "accumulate-2-step-11",
+    ],
 )
 def test_a_resume_across_epochs_ended_early_reproduces_the_uninterrupted_run(tmp_path, resume_at):
     # step 8: after the cut epoch 0's last trained batch; the resume draws the batch the hook skips, and ends
-    # the epoch there
+    # the epoch there. Steps 16 and 17: epoch 1's last batch and epoch 2's first, after epoch 0's skipped
+    # batch, which Lightning counts processed but never started: it read the restart from its counters of all
+    # epochs and took both checkpoints for ones saved before their batch had finished. From step 16 it fetched
+    # the next pass's first batch in epoch 1 (the hook skipped it), which the plan took for a pass ended after
+    # 0 of its 9 batches and planned again (24 steps, not 32); from step 17 `batch_idx` stayed one behind and
+    # the -1 came a batch late (33 steps).
+    # Accumulating 2 batches: step 11 is epoch 2's last batch (11 steps, not 15), step 6 inside epoch 1 (16)
+    accumulate = 2 if resume_at.startswith("accumulate-2-") else 1
+    resume_at = resume_at.removeprefix("accumulate-2-")
     every_step = ModelCheckpoint(dirpath=tmp_path / "steps", every_n_train_steps=1, save_top_k=-1)
     full, full_rows = _fit(
-        EndsEpochsEarly(), tmp_path / "full", every_step, SaveAtEpochEnd(tmp_path / "ends")
+        EndsEpochsEarly(),
+        tmp_path / "full",
+        every_step,
+        SaveAtEpochEnd(tmp_path / "ends"),
+        accumulate_grad_batches=accumulate,
     )
     assert _misplaced(full_rows) == []
     kind, at = resume_at.split("-", 1)
@@ -192,10 +214,33 @@ def test_a_resume_across_epochs_ended_early_reproduces_the_uninterrupted_run(tmp
     else:
         path = next((tmp_path / "ends").glob(f"epoch={at.split('-')[0]}-*.ckpt"))
     resumed_module = EndsEpochsEarly()
-    resumed, rows = _fit(resumed_module, tmp_path / "resumed", ckpt_path=str(path))
+    resumed, rows = _fit(
+        resumed_module, tmp_path / "resumed", ckpt_path=str(path), accumulate_grad_batches=accumulate
+    )
     start = torch.load(path, weights_only=False)["global_step"]
-    assert resumed.global_step == full.global_step == 32
+    assert resumed.global_step == full.global_step == (32 if accumulate == 1 else 15)
     assert rows == [row for row in full_rows if row[1] >= start]
+    for mine, theirs in zip(resumed.lightning_module.parameters(), full.lightning_module.parameters()):
+        assert torch.equal(mine, theirs)
+    # the restart is read once, at the resume: nothing stays on the Trainer's loop
+    assert "update_restart_stage" not in vars(resumed.fit_loop.epoch_loop)
+
+
+def test_a_checkpoint_of_a_fit_resumed_at_an_epochs_last_batch_resumes_as_the_uninterrupted_run(tmp_path):
+    # resumed at epoch 1's last batch (step 16), Lightning closed that epoch but went on with epoch 2 as one
+    # restored mid-epoch, never counted started: a checkpoint saved inside it (step 20) read as one saved at
+    # an epoch's end, and its resume began `batch_idx` at 0 again: the batch the -1 skips trained (33 steps;
+    # a plain Lightning run retrains the whole epoch there)
+    def saver(name):
+        return ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=1, save_top_k=-1)
+
+    full, full_rows = _fit(EndsEpochsEarly(), tmp_path / "full", saver("steps"))
+    first = str(next((tmp_path / "steps").glob("*-step=16.ckpt")))
+    _fit(EndsEpochsEarly(), tmp_path / "first", saver("resumed-steps"), ckpt_path=first)
+    second = str(next((tmp_path / "resumed-steps").glob("*-step=20.ckpt")))
+    resumed, rows = _fit(EndsEpochsEarly(), tmp_path / "second", ckpt_path=second)
+    assert resumed.global_step == full.global_step == 32
+    assert rows == [row for row in full_rows if row[1] >= 20]
     for mine, theirs in zip(resumed.lightning_module.parameters(), full.lightning_module.parameters()):
         assert torch.equal(mine, theirs)
 
