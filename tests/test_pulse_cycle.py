@@ -559,3 +559,34 @@ def test_a_resume_tells_the_listeners_the_changes_of_the_step_saved_before_pulse
     assert len(probes.seen) == 2 and _history(resumed) == _history(full)
     assert resumed_steps == steps
     assert torch.equal(resumed_weights, weights)
+
+
+def test_a_checkpoint_saved_at_a_resumes_start_keeps_the_changes_not_yet_told(tmp_path):
+    # review of pass 41: a resumed PulseCycle tells the changes its checkpoint held only after every
+    # on_train_start; a checkpoint saved in between (GreenWindow's suspend at a dirty resume's start) held the
+    # counted clock with no changes to tell, and its own resume never ran the maintain entry's prune event
+    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+    from lightning_pulse import ScheduledPrune
+
+    class SaveAtStartAndStop(Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "start.ckpt")
+            trainer.should_stop = True
+
+    def run(first=(), last=(), ckpt=None):
+        pl.seed_everything(0, verbose=False)
+        cycle = PulseCycle(burst=4, replay=3, maintain=2, warmup=0, anneal=0, maintain_eval="none")
+        prune = ScheduledPrune(final_sparsity=0.5, start=0.0, end=0.9, probe_batches=0)
+        kwargs = trainer_kwargs(limit_val_batches=0, default_root_dir=tmp_path)
+        trainer = pl.Trainer(callbacks=[*first, cycle, prune, *last], max_steps=20, **kwargs)
+        datamodule = MNIST1DDataModule(num_samples=1000, batch_size=64)
+        trainer.fit(MNIST1DClassifier(arch="mlp"), datamodule, ckpt_path=ckpt)
+        return [e["step"] for e in prune.events]
+
+    saver = SaveInsideStep(tmp_path / "user.ckpt", at=6)  # the step that enters maintain (step 7)
+    uninterrupted = run(first=[saver])
+    assert saver.saved_at == 7 and 7 in uninterrupted
+    run(last=[SaveAtStartAndStop()], ckpt=saver.path)
+    state = torch.load(tmp_path / "start.ckpt", weights_only=True)["callbacks"]["PulseCycle"]
+    assert [change["reason"] for change in state["untold"]] == ["resume", "budget"]
+    assert run(ckpt=tmp_path / "start.ckpt") == uninterrupted

@@ -68,6 +68,8 @@ class UncountedStep:
         batch end's changes (none where it makes none); else the clock as it stands. ``steps_per_epoch`` and
         ``total_steps`` are those the batch end passes to :meth:`PhaseClock.advance`."""
         trainer = None if self._trainer is None else self._trainer()
+        if self.untold:  # restored, not told yet (a save in an on_train_start of the resume): keep them
+            return clock.state_dict(), [change.to_dict() for change in self.untold]
         if trainer is None or compat.processed_batch_counts(trainer) is None:
             return clock.state_dict(), []
         if compat.in_batch_norm_update_epoch(trainer):  # PulseCycle counts no step of it
@@ -96,8 +98,14 @@ class UncountedStep:
         told, once every ``on_train_start`` has run (``compat.after_train_start``): a listener listed after
         PulseCycle applies its restored state in its own; the uninterrupted run told them after the step."""
         self._trainer, self._early = weakref.ref(trainer), None
-        untold, self.untold = self.untold, []
+        untold = self.untold
         if not untold or change.reason != "resume":
+            self.untold = []
             return tell(change)
-        tell(untold[0])
-        self._start.once(trainer, lambda _: [tell(later) for later in untold[1:]])
+
+        def tell_the_rest(_: Any) -> None:
+            self.untold = []
+            for later in untold:
+                tell(later)
+
+        self._start.once(trainer, tell_the_rest)
