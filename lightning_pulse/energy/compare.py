@@ -401,17 +401,20 @@ def _per_step(value: Any, total: Mapping[str, Any]) -> float | None:
 
 def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The finite scalars among a Trainer's ``callback_metrics`` (tensors or numbers), by name."""
-    scalars = {}
+    return {name: number for name, number in _scalars(metrics) if math.isfinite(number)}
+
+
+def _scalars(metrics: Mapping[str, Any]) -> list[tuple[str, float]]:
+    """``(name, value)`` of the one-element tensors and numbers among ``metrics``, sorted by name."""
+    scalars = []
     for name, value in metrics.items():
         try:
             if hasattr(value, "numel") and value.numel() != 1:
                 continue
-            number = float(value)
+            scalars.append((str(name), float(value)))
         except (TypeError, ValueError, RuntimeError):
             continue
-        if math.isfinite(number):
-            scalars[str(name)] = number
-    return dict(sorted(scalars.items()))
+    return sorted(scalars)
 
 
 def final_metric_fields(trainer: Any) -> dict[str, Any]:
@@ -430,17 +433,11 @@ def nonfinite_metrics(metrics: Mapping[str, Any]) -> dict[str, str]:
     """The scalars among a Trainer's ``callback_metrics`` that are not finite (a run that diverged), as
     ``"nan"``, ``"inf"`` or ``"-inf"`` by name (JSON holds no NaN): a comparison calls them worse than a
     finite baseline's."""
-    found = {}
-    for name, value in metrics.items():
-        try:
-            if hasattr(value, "numel") and value.numel() != 1:
-                continue
-            number = float(value)
-        except (TypeError, ValueError, RuntimeError):
-            continue
-        if not math.isfinite(number):
-            found[str(name)] = "nan" if math.isnan(number) else "inf" if number > 0 else "-inf"
-    return dict(sorted(found.items()))
+    return {
+        name: "nan" if math.isnan(number) else "inf" if number > 0 else "-inf"
+        for name, number in _scalars(metrics)
+        if not math.isfinite(number)
+    }
 
 
 def comparison_line(comparison: Mapping[str, Any] | None) -> str | None:
