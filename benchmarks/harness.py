@@ -142,10 +142,12 @@ class HookTimer:
             *owners, name = path.split(".")
             owner = functools.reduce(getattr, owners, callback)  # set on the instance, before the fit
             setattr(owner, name, self._timed(label, getattr(owner, name), self.cpu_s, count=False))
-        for name in apart:
-            key = f"{label}.{name}"
+        for path in apart:  # a method of the callback, or of an object it holds ("probe.logged_run")
+            key = f"{label}.{path}"
             self.apart_cpu_s.setdefault(key, 0.0)
-            setattr(callback, name, self._timed(key, getattr(callback, name), self.apart_cpu_s, count=False))
+            *owners, name = path.split(".")
+            owner = functools.reduce(getattr, owners, callback)
+            setattr(owner, name, self._timed(key, getattr(owner, name), self.apart_cpu_s, count=False))
 
     def _timed(
         self, label: str, method: Callable[..., Any], totals: dict[str, float], count: bool = True
