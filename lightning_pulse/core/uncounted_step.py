@@ -84,6 +84,8 @@ class UncountedStep:
     def lap(self, step: int) -> Lap | None:
         """At PulseCycle's batch end: the steps and seconds up to optimizer ``step`` that the clock has not
         counted, those a save read early included (:meth:`StepTimer.lap`)."""
+        if self._early is None:  # the usual step: no save read it early
+            return self.timer.lap(step)
         early, self._early = self._early, None
         return _joined(early, self.timer.lap(step))
 
