@@ -162,3 +162,30 @@ def test_an_end_at_the_runs_end_is_reached_a_batch_before_it_when_a_batch_steps_
     plan = [str(w.message) for w in recwarn if "takes sparsity" in str(w.message)]
     assert len(plan) == 1 and "the one at step 38 takes sparsity from 0.00 to 0.50" in plan[0]
     assert not [w for w in recwarn if "sparsity reached" in str(w.message) or "unfinished" in str(w.message)]
+
+
+def test_a_fit_resumed_with_no_step_left_folds_the_checkpoints_masks_as_the_uninterrupted_fit_did(tmp_path):
+    # held-out sweep: `trainer.fit(model, ckpt_path=<the run's last step>)` trains nothing, so no training hook
+    # ran; the checkpoint's masks stayed on (`weight_orig`/`weight_mask`) and the model's state_dict did not
+    # load into its plain class, where the uninterrupted fit had folded them at its end
+    def fit(callbacks, ckpt_path=None):
+        pl.seed_everything(0)
+        prune = ScheduledPrune(final_sparsity=0.5, start=0.0, end=0.8, probe_batches=0)
+        kwargs = trainer_kwargs(max_steps=20, default_root_dir=tmp_path)
+        trainer = pl.Trainer(
+            callbacks=[prune, *callbacks], **{**kwargs, "enable_checkpointing": bool(callbacks)}
+        )
+        model = _Classifier()
+        trainer.fit(model, _data(), ckpt_path=ckpt_path)
+        return model
+
+    saver = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=20, save_top_k=-1, filename="{step}"
+    )
+    uninterrupted = fit([saver])
+    resumed = fit([], ckpt_path=str(tmp_path / "ckpt" / "step=20.ckpt"))
+    assert sorted(resumed.state_dict()) == sorted(uninterrupted.state_dict())
+    _Classifier().load_state_dict(resumed.state_dict())  # loads into the plain class
+    for name, tensor in uninterrupted.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], tensor, rtol=0, atol=0)
+    assert _zero_share(resumed) == pytest.approx(_zero_share(uninterrupted)) and _zero_share(resumed) > 0.4

@@ -257,9 +257,11 @@ class ScheduledPrune(compat.PulseStateKey, Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.end()
-        self._training = False
+        started, self._training = self._training, False
         self._end_distillation(trainer)
         fold = self.mode == "unstructured" and self.options.make_permanent
+        if not started:  # a resume with no step left trains nothing: the checkpoint's masks fold all the same
+            return self.core.stop_fitting_loads(pl_module, fold=fold)
         self.core.end_fit(pl_module, trainer.global_step, fold)
 
     @override
