@@ -178,6 +178,7 @@ def plan_steps(
     total_steps: int | None = None,
     start_trained: int | None = None,
     planned_plain_steps: int | None = None,
+    start_batches: int = 0,
 ) -> StepPlan:
     """Play the run forward and return its batches.
 
@@ -202,6 +203,9 @@ def plan_steps(
         planned_plain_steps: the plain run's steps ``total_steps`` was planned for (``None``: these). A resume
             to a run of another length (``max_epochs`` raised or lowered) keeps the steps taken and plans the
             rest again: ``total_steps`` is solved for the new run, warm-up and anneal are shares of it.
+        start_batches: the batches of ``start_epoch``'s pass already trained. Lightning closes an accumulation
+            window every ``accumulate`` batches of an epoch, so a resume saved inside a window (at a batch that
+            took no optimizer step) first finishes that window at ``start_step``, with its batches left.
 
     Raises:
         ValueError: for a run with neither ``max_epochs`` nor ``max_steps``.
@@ -234,7 +238,7 @@ def plan_steps(
     )
     if start_trained is None:
         start_trained = start_epoch * epoch_samples + start_samples
-    start = (start_epoch, start_samples, start_step, start_trained, drop_last)
+    start = (start_epoch, start_samples, start_step, start_trained, drop_last, start_batches % accumulate)
     if total_steps is not None:  # a resume keeps its total, also where the planned batches fall short of it
         # a clock pinned by the plan that saved the run places warm-up and anneal as that plan did
         span = clock.span if clock is not None and clock.span is not None else total_steps
@@ -296,6 +300,7 @@ def _simulate(
     step: int,
     trained_before: int,
     drop_last: bool,
+    window_done: int,
     total_steps: int,
 ) -> StepPlan:
     from_step = step
@@ -311,13 +316,17 @@ def _simulate(
     while data_left > 0:  # the data decides the length; `total_steps` only places warm-up and anneal
         phase_is_light = sim is None or sim.phase in light
         per_batch = window if phase_is_light else batch_size
-        for _ in range(accumulate):  # one optimizer step; an epoch's end closes its window early
+        # one optimizer step; an epoch's end closes its window early, and a resume inside a window (its first
+        # `window_done` batches trained before the checkpoint) finishes it: else every later window of the
+        # pass was one batch off Lightning's, phases fell on other batches and an odd rest lost a step
+        for _ in range(accumulate - window_done):
             size = min(per_batch, remaining)
             if size <= 0 or (drop_last and size < min(per_batch, batch_size)):
                 break
             sizes.append(size)
             remaining -= size
             data_left -= size
+        window_done = 0
         step += 1
         light_steps += phase_is_light
         if sim is not None:
@@ -732,6 +741,7 @@ class StepSavingStream:
             else resume.get("total_steps"),
             start_trained=resume.get("trained"),
             planned_plain_steps=resume.get("plain_steps"),
+            start_batches=resume.get("batches", 0),
             **run,  # type: ignore[arg-type]
         )
         if steps_before:
