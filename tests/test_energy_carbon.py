@@ -61,6 +61,18 @@ def test_generic_timestamp_value_csv_with_iso_and_unix_times(tmp_path):
     assert rate.mean(utc("2024-01-01 00:30:00"), utc("2024-01-01 01:30:00")) == pytest.approx(0.30)
 
 
+def test_a_csv_saved_by_excel_with_a_byte_order_mark_reads_its_named_columns(tmp_path):
+    # held-out sweep: Excel's "CSV UTF-8" starts with a BOM, so the header's first name was "\ufeffvalue": not
+    # known, the value column defaulted to the time column and the file was refused as "not `timestamp,value`"
+    path = tmp_path / "excel.csv"
+    path.write_text(
+        "value,timestamp\n300,2020-06-15T00:00:00Z\n100,2020-06-15T01:00:00Z\n", encoding="utf-8-sig"
+    )
+    series = TimeSeries.from_csv(path)
+    assert series.times.tolist() == [utc("2020-06-15 00:00:00"), utc("2020-06-15 01:00:00")]
+    assert series.values.tolist() == [300.0, 100.0]
+
+
 def test_malformed_series_fails_at_construction_naming_the_field(tmp_path):
     path = tmp_path / "bad.csv"
     path.write_text("Time,Carbon Intensity\n2020-01-01 00:00:00,200\nyesterday,300\n")

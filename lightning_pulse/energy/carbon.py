@@ -249,7 +249,7 @@ class TimeSeries:
         time_col, value_col = 0, 1
         header: list[str] | None = None
         unnamed: list[int] = []  # the header's unnamed columns other than the time and value ones
-        with path.open(newline="") as handle:
+        with path.open(newline="", encoding="utf-8-sig") as handle:  # Excel's "CSV UTF-8" starts with a BOM
             for line_number, row in enumerate(csv.reader(handle), start=1):
                 if not row or all(not cell.strip() for cell in row):
                     continue
