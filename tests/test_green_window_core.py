@@ -443,6 +443,8 @@ def test_signal_sources_json_pairs_and_live_readings(tmp_path):
     path.write_text(json.dumps([["2020-06-01 00:00:00", 120], {"time": "2020-06-01 01:00:00", "value": 90}]))
     rate = series_signal(path)
     assert rate.series.values.tolist() == [120.0, 90.0]
+    path.write_text(path.read_text(), encoding="utf-8-sig")  # a byte-order mark, as Windows editors write
+    assert series_signal(path).series.values.tolist() == [120.0, 90.0]
     with pytest.raises(ValueError, match="item 1"):
         series_from_pairs([[0, 1], ["never", 2]])
     readings = iter([(100.0, 5.0), (50.0, 9.0), (200.0, 7.0)])

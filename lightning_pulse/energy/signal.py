@@ -66,7 +66,7 @@ def series_from_json(path: str | Path, field: str = "signal") -> TimeSeries:
     (times ISO 8601, naive = UTC, or Unix seconds)."""
     path = Path(path)
     try:
-        items = json.loads(path.read_text())
+        items = json.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is skipped
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"`{field}`={str(path)!r} is not a readable JSON file ({error}).") from None
     return series_from_pairs(items, field, name=path.name)
