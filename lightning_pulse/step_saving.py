@@ -19,12 +19,14 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.optim.lr_scheduler import SequentialLR
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
 from lightning_pulse.core.replay import (
     CUT_EPOCH_WAY_OUT_BY_EPOCHS,
     CUT_EPOCH_WAY_OUT_BY_STEPS,
+    SEQUENTIAL_SCHEDULE_WAY_OUT,
     STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL,
     STEPS_MODE_CLOCK_REFUSAL,
     STEPS_MODE_CUT_EPOCH_SCHEDULE_REFUSAL,
@@ -59,6 +61,7 @@ from lightning_pulse.core.step_plan import (
     plan_settings,
     plan_summary,
     resumed_plan_change,
+    schedule_course,
     schedule_lengths,
     scheduler_end,
     scheduler_past_end,
@@ -125,13 +128,17 @@ class UnplannedLengths:
             return None
         frequency = max(1, int(config.frequency))
         stepped = planned // frequency
+        course = schedule_course(config.scheduler)
         for length in sorted(schedule_lengths(config.scheduler)):
             found = self.source_of(length, frequency)
             # cut only where the plan steps it fewer times than the unplanned run would have: a length
             # rounded up (T_max=13 for 50 // 4) that the plain run stops short of too is not the plan's doing
             if found is not None and stepped < min(length, found[1] // frequency):
                 divided = frequency if length != found[1] else 1
-                return ScheduleCut(length, found[0], stepped / length, divided)
+                # the share of its whole course: a SequentialLR's cosine of T_max=64 after a warm-up of 5 ends
+                # at 69
+                whole = max(length, course[0]) if course is not None else length
+                return ScheduleCut(length, found[0], stepped / whole, divided)
         return None
 
 
@@ -558,6 +565,8 @@ class StepSavingLoader:
             if cut.frequency > 1:  # the way out divides the planned steps too
                 every = cut.frequency
                 refusal += f" With `frequency`={every}, divide `estimated_stepping_batches` by {every}."
+            if isinstance(config.scheduler, SequentialLR):
+                refusal += SEQUENTIAL_SCHEDULE_WAY_OUT
             raise PulseRefusal(refusal)
 
     def check_resumed_plan(self, trainer: pl.Trainer) -> None:

@@ -232,6 +232,11 @@ STEPS_MODE_SCHEDULE_LENGTH_REFUSAL = (
     "its course. Build its length from `self.trainer.estimated_stepping_batches` in configure_optimizers (it "
     "holds the {planned} planned steps), or use mode='batch'."
 )
+# a SequentialLR restarts each scheduler at its milestone: the planned steps are its span, not its last length
+SEQUENTIAL_SCHEDULE_WAY_OUT = (
+    " A SequentialLR spans its last milestone plus its last scheduler's length: build that one for "
+    "`estimated_stepping_batches` less the milestone."
+)
 # a length that is both the planned steps left undivided and the unplanned ones over the frequency: either way
 # the run steps it planned // frequency times
 STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL = (

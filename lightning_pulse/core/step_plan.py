@@ -1005,19 +1005,19 @@ def scheduler_end(configs: Iterable[Any], step: int, planned_steps: int) -> tupl
     """``(name, length, steps left, optimizer step)`` of the per-step LR scheduler (Lightning's scheduler
     configs) whose steps run out first from optimizer ``step`` on, with the optimizer step where they do,
     among those the plan's ``planned_steps`` fit in (built for the plan, or longer: one shorter runs out
-    anyway); ``None`` for none. Its steps left are its length less its ``last_epoch`` now, one per
+    anyway); ``None`` for none. Its length and steps left are its :func:`schedule_course`'s, one per
     ``frequency`` optimizer steps. Lightning also steps such a scheduler for a batch the module's
     ``on_train_batch_start`` skipped (returned -1), with no optimizer step: one built for the plan then has a
     step fewer left than the plan has optimizer steps."""
     ends = []
     for config in configs:
-        lengths = schedule_lengths(config.scheduler)
-        if config.interval != "step" or not lengths:
+        course = schedule_course(config.scheduler)
+        if config.interval != "step" or course is None:
             continue
-        every, length = max(1, int(config.frequency or 1)), max(lengths)
+        every, (length, left) = max(1, int(config.frequency or 1)), course
         if length < planned_steps // every:
             continue
-        left = max(0, length - int(getattr(config.scheduler, "last_epoch", 0)))
+        left = max(0, left)
         ends.append((step + left * every, type(config.scheduler).__name__, length, left))
     if not ends:
         return None
@@ -1031,14 +1031,14 @@ def scheduler_past_end(
     """``(name, length)`` of a restored per-step LR scheduler (Lightning's scheduler configs: ``interval``,
     ``frequency``, ``scheduler``) that the saved plan of ``saved_total`` steps stepped within its length
     and a resumed run of ``run_steps`` steps, at optimizer ``step`` now, steps past it (``OneCycleLR``
-    raises there mid-run); ``None`` where none does. Its steps so far are its ``last_epoch``, one per
-    ``frequency`` optimizer steps."""
+    raises there mid-run); ``None`` where none does. Its length and steps so far are its
+    :func:`schedule_course`'s, one per ``frequency`` optimizer steps."""
     for config in configs:
-        lengths = schedule_lengths(config.scheduler)
-        if config.interval != "step" or not lengths:
+        course = schedule_course(config.scheduler)
+        if config.interval != "step" or course is None:
             continue
-        every, length = max(1, int(config.frequency or 1)), max(lengths)
-        stepped = int(getattr(config.scheduler, "last_epoch", 0)) - step // every
+        every, (length, left) = max(1, int(config.frequency or 1)), course
+        stepped = length - left - step // every  # its steps before this fit's optimizer step 0
         if stepped + saved_total // every <= length < stepped + run_steps // every:
             return type(config.scheduler).__name__, length
     return None
@@ -1091,7 +1091,11 @@ def _pass_ended(samples: int, samples_per_epoch: int, batch_size: int, drop_last
 def schedule_lengths(scheduler: Any) -> set[int]:
     """The run lengths an LR scheduler says it was built for: ``total_steps`` (OneCycleLR), ``T_max``
     (CosineAnnealingLR), ``total_iters`` (LinearLR, PolynomialLR), the ints a ``LambdaLR``'s functions read,
-    and those of the schedulers inside a ``SequentialLR`` or ``ChainedScheduler``.
+    and those of the schedulers inside a ``SequentialLR`` or ``ChainedScheduler``. A SequentialLR restarts
+    each scheduler at its milestone, so it also reads, on its own count, the milestone plus each length that
+    ends by the next milestone, and for the last scheduler each length: its span. A warm-up and a cosine
+    (``milestones=[5]``, ``T_max=59``) read 5, 59 and 64, the run they were built for. A periodic scheduler
+    (``CosineAnnealingWarmRestarts``, ``StepLR``) has none.
 
     A function reads the ints it was given or closes over (Hugging Face's schedules are partials holding
     ``num_training_steps``), the ints held by the attributes its code names on the objects it closes over or
@@ -1102,9 +1106,62 @@ def schedule_lengths(scheduler: Any) -> set[int]:
     found = _ints(getattr(scheduler, name, None) for name in ("total_steps", "T_max", "total_iters"))
     for function in getattr(scheduler, "lr_lambdas", None) or ():
         found |= _function_lengths(function)
-    for inner in getattr(scheduler, "_schedulers", None) or ():
-        found |= schedule_lengths(inner)
+    inner = getattr(scheduler, "_schedulers", None) or ()
+    milestones = _milestones(scheduler)
+    for index, child in enumerate(inner):
+        lengths = schedule_lengths(child)
+        found |= lengths
+        if milestones is not None and index:
+            start = milestones[index - 1]
+            stop = milestones[index] if index < len(milestones) else math.inf
+            found |= {start + length for length in lengths if start + length <= stop}
     return found
+
+
+def schedule_course(scheduler: Any) -> tuple[int, int] | None:
+    """``(length, steps left)`` of an LR scheduler's course on its own count of steps: where it ends (the
+    longest of :func:`schedule_lengths`; a ``SequentialLR``'s, where its last scheduler's does, that
+    scheduler restarted at the last milestone; a ``ChainedScheduler``'s, where the last of its schedulers'
+    does) and the steps from where it stands to there (below 0: stepped past it). ``None`` for a scheduler
+    without an end: no length (periodic, or constant after a warm-up), or a SequentialLR whose last scheduler
+    has none (a warm-up, then ``CosineAnnealingWarmRestarts``)."""
+    position = schedule_position(scheduler)
+    left = _steps_left(scheduler)
+    return None if left is None else (position + left, left)
+
+
+def schedule_position(scheduler: Any) -> int:
+    """The steps an LR scheduler has taken: its ``last_epoch``; a ``ChainedScheduler`` keeps none, and
+    steps each of its schedulers once a step: theirs."""
+    position = getattr(scheduler, "last_epoch", None)
+    if isinstance(position, int):
+        return position
+    return max(
+        (schedule_position(child) for child in getattr(scheduler, "_schedulers", None) or ()), default=0
+    )
+
+
+def _steps_left(scheduler: Any) -> int | None:
+    inner = getattr(scheduler, "_schedulers", None) or ()
+    if not inner:
+        lengths = schedule_lengths(scheduler)
+        return max(lengths) - schedule_position(scheduler) if lengths else None
+    milestones = _milestones(scheduler)
+    if milestones is None:  # a ChainedScheduler: its schedulers step together, the latest end is its end
+        return max((left for child in inner if (left := _steps_left(child)) is not None), default=None)
+    last, start = inner[-1], milestones[-1] if milestones else 0
+    left = _steps_left(last)
+    position = schedule_position(scheduler)
+    if left is None or position >= start:
+        return left
+    # not started: the SequentialLR restarts it at step 0 of its own count at the milestone
+    return start - position + schedule_position(last) + left
+
+
+def _milestones(scheduler: Any) -> list[int] | None:
+    """A ``SequentialLR``'s milestones (``None``: not one)."""
+    milestones = getattr(scheduler, "_milestones", None)
+    return [int(m) for m in milestones] if milestones is not None else None
 
 
 def _ints(values: Iterable[Any]) -> set[int]:
