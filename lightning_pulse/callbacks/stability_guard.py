@@ -42,10 +42,10 @@ def _warn_here(message: str) -> None:
 class StabilityGuard(compat.PulseStateKey, Callback):
     r"""Detects non-finite values and loss or gradient-norm spikes, and answers them, escalating.
 
-    Every optimizer step it reads the loss (mean over the accumulation window and DDP ranks) and the gradient
-    norm before clipping. A :class:`~lightning_pulse.core.spike_detection.SpikeDetector` flags non-finite
-    values and robust z-score spikes (median and MAD, log scale, one window per pulse phase); an
-    :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers (docs/stability-guard.md):
+    Every optimizer step it reads the loss (mean over accumulation window and DDP ranks, negated if maximized)
+    and the gradient norm before clipping. A :class:`~lightning_pulse.core.spike_detection.SpikeDetector`
+    flags non-finite values and robust z-score spikes (median and MAD, log scale, one window per pulse phase);
+    an :class:`~lightning_pulse.core.stability_policy.EscalationPolicy` answers (docs/stability-guard.md):
 
     1. **Skip** the update. A non-finite step whose batch holds non-finite values, and whose loss is finite
        without those rows (or, where they cannot be cut out, with them set to 0), is the data's fault:
@@ -86,11 +86,11 @@ class StabilityGuard(compat.PulseStateKey, Callback):
 
     Raises:
         ValueError: at construction, naming the argument, for a value out of range.
-        PulseRefusal: at fit start, for a module using manual optimization, or under FSDP, DeepSpeed or
-            model parallelism (a rank holds a shard of the parameters and gradients), for a
-            ``config.stop_checkpoint_path`` that cannot be written, and for a second run of this instance
-            (another ``trainer.fit``) unless a checkpoint was restored into it; at train start, for lazy
-            parameters no forward has created yet, and for torch's ``ZeroRedundancyOptimizer``.
+        PulseRefusal: at fit start, for a module using manual optimization, or under FSDP, DeepSpeed or model
+            parallelism (a rank holds a shard of the parameters), for a ``config.stop_checkpoint_path`` that
+            cannot be written, and for a second run of this instance (another ``trainer.fit``) unless a
+            checkpoint was restored into it; at train start, for lazy parameters, torch's
+            ``ZeroRedundancyOptimizer`` and parameter groups that mix ``maximize=True`` and ``False``.
         StabilityGuardError: during training, when the guard stops the run (after saving a checkpoint, or
             saying why that save failed).
 
@@ -186,7 +186,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         logs, device = compat.SkippedStepLogs(trainer), pl_module.device
         self._record = steps.StepRecord.of_callbacks(trainer.callbacks, HardSampleReplay, device, logs)
         self._entry_watch.watch(trainer, self._entered)  # after every batch-start hook and a cut
-        self.core.start(trainer.global_step, trainer.optimizers, pl_module)  # refuses a ZeRO optimizer
+        self.core.start(trainer.global_step, trainer.optimizers, pl_module)  # refuses ZeRO, mixed `maximize`
         self.core.snapshot_owed = True  # the start is good: snapshot after all on_train_start (or at batch 0)
         self._moments.fit_starts(trainer, self, partial(self._take_snapshot, trainer, pl_module))
 
@@ -229,7 +229,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         )
         self.core.carry_out(action, record, self._changes, optimizer, self._keep_gradients)  # hold or skip
         if action is not Action.APPLY and cause != "data":
-            rank_zero_info(steps.flag_message(step, verdict, action, loss, grad_norm, key, self.detector))
+            rank_zero_info(self.core.flag_message(step, verdict, action, loss, grad_norm, key))
 
     @override
     def on_train_batch_end(

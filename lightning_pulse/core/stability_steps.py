@@ -97,6 +97,41 @@ def refuse_unconsolidated_optimizers(optimizers: Sequence[Any]) -> None:
             )
 
 
+def maximizes_loss(optimizers: Sequence[Any]) -> bool:
+    """Whether ``optimizers`` ascend the loss the module returns: torch's ``maximize=True`` in every parameter
+    group that holds parameters (an optimizer without the flag descends it). The guard then judges the
+    negated loss, ``-loss``, the value they descend, so a sudden drop of the loss is a spike (read at train
+    start: a resumed optimizer holds its checkpoint's groups by then).
+
+    Raises:
+        PulseRefusal: for groups that mix ``maximize=True`` with ``False``: the loss is ascended by some
+            parameters and descended by others, so a spike of it has no one direction.
+    """
+    several = len(optimizers) > 1
+    flags: dict[bool, list[str]] = {True: [], False: []}
+    for index, optimizer in enumerate(optimizers):
+        for position, group in enumerate(getattr(optimizer, "param_groups", None) or []):
+            if isinstance(group, Mapping) and group.get("params"):
+                which = f"group {position}" + (f" of optimizer {index}" if several else "")
+                flags[bool(group.get("maximize", False))].append(which)
+    if flags[True] and flags[False]:
+        raise PulseRefusal(
+            "StabilityGuard cannot tell which way this run's loss should go: parameter "
+            f"{first_names(flags[True], 4)} ascend it (`maximize=True`) and {first_names(flags[False], 4)} "
+            "descend it, so a loss spike (a rise of a loss descended, a drop of one ascended) has no one "
+            "direction. Give every parameter group the same `maximize` (for an adversarial part, a gradient "
+            "reversal layer lets its group descend the same loss), or remove StabilityGuard from the "
+            "callbacks."
+        )
+    return bool(flags[True])
+
+
+#: how the guard's messages name the value it judges, and what they say of it, where the optimizers maximize
+#: the loss (:func:`maximizes_loss`)
+MAXIMIZED_LOSS = "-loss"
+MAXIMIZED_WHY = "the loss negated, since the optimizer runs with `maximize=True`"
+
+
 ANOMALY_DETECTION_WARNING = (
     "StabilityGuard: `Trainer(detect_anomaly=True)` raises at the first NaN in backward, before the guard "
     "reads the step, so a non-finite step stops the run instead of being skipped (loss and gradient-norm "
@@ -237,6 +272,18 @@ def rollback_test(
         if not spike_reproduced(flagged, reference, flagged_now, min_ratio):
             return True, target.step
     return False, None
+
+
+def _negated(
+    losses_at: Callable[[TrainingSnapshot], tuple[float, float]],
+) -> Callable[[TrainingSnapshot], tuple[float, float]]:
+    """``losses_at`` giving the negated losses: judged as the step's loss of a maximizing optimizer is."""
+
+    def negated(target: TrainingSnapshot) -> tuple[float, float]:
+        flagged, reference = losses_at(target)
+        return -flagged, -reference
+
+    return negated
 
 
 def state_tensors(
@@ -605,6 +652,8 @@ class StabilityCore:
         self.level_steps = 0
         self.flagged_losses: dict[int, tuple[float, float | None]] = {}
         self.flagged_scores: dict[int, Clearing] = {}  # the open incident's (SpikeDetector.clearing_scores)
+        # the optimizers ascend the loss (maximizes_loss, read at train start): every loss is judged negated
+        self.maximized = False
 
     @property
     def presumes_data(self) -> bool:
@@ -638,7 +687,7 @@ class StabilityCore:
         first = (not unjudged_before and detector.unjudged_losses) or (
             not negative_before and detector.negative_losses
         )
-        note = unjudged_loss_message(loss) if first else None
+        note = unjudged_loss_message(loss, self.maximized) if first else None
         if verdict.is_spike and verdict not in NONFINITE and self.level.holds(loss, grad_norm):
             # a step at the level of the data that recurring spikes turned out to be: trained, and its values
             # teach the windows that level (no rollback test: it would find the batch spiking again)
@@ -697,7 +746,11 @@ class StabilityCore:
         those checks read from the trainer, called only when the step is flagged: where a non-finite step
         came from (:meth:`nonfinite_cause`) and the rollback test (:meth:`flagged_rollback_helps`). Their
         warnings are said through ``warn``, and so is the judgement's note (once: a loss a log scale cannot
-        judge, recurring spikes as a level). Returns ``(verdict, action, cause)``."""
+        judge, recurring spikes as a level). Returns ``(verdict, action, cause)``. ``loss`` is the step's as
+        the module returned it: judged, and kept, negated where the optimizers maximize it
+        (:attr:`maximized`)."""
+        if self.maximized and loss is not None:
+            loss = -loss
         record.loss, record.key = loss, key
         verdict, action, cause, note = self.judge(
             step,
@@ -752,7 +805,8 @@ class StabilityCore:
     def start(
         self, step: int | None = None, optimizers: Sequence[Any] = (), model: nn.Module | None = None
     ) -> None:
-        """At fit start, refuse optimizers no snapshot can hold (:func:`refuse_unconsolidated_optimizers`);
+        """At fit start, refuse optimizers no snapshot can hold (:func:`refuse_unconsolidated_optimizers`) or
+        that both ascend and descend the loss, and learn whether they maximize it (:func:`maximizes_loss`);
         then forget what an earlier fit left: a requested snapshot, the rollback test's choice, the warnings
         said once a fit and the snapshots (the caller then snapshots the state training starts from, or
         resumes at: ``step``, whose snapshot :meth:`saved_forward_state` does not take as evidence about
@@ -760,6 +814,7 @@ class StabilityCore:
         names the checkpoint holds): a skip in its first steps sets back to the values before it, as in the
         run it resumes (to the resumed snapshot instead, it undid a skipped spike's statistics kept since)."""
         refuse_unconsolidated_optimizers(optimizers)
+        self.maximized = maximizes_loss(optimizers)
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
         self.unfit_optimizers_after = self.replaced_at = self.cut_unsnapshotted = None
         self.snapshot_owed = False
@@ -1257,7 +1312,11 @@ class StabilityCore:
         self, flagged: FlaggedStep, verdict: Verdict, warn: Callable[[str], Any] | None = None
     ) -> bool:
         """The rollback test (:meth:`rollback_helps`) of a flagged step with its ``verdict``: the flagged and
-        the last ordinary batches' losses at a snapshot's weights (:meth:`FlaggedStep.losses_at_snapshot`)."""
+        the last ordinary batches' losses at a snapshot's weights (:meth:`FlaggedStep.losses_at_snapshot`),
+        negated as the step's loss is where the optimizers maximize it (:attr:`maximized`)."""
+        losses_at = flagged.losses_at_snapshot
+        if self.maximized:
+            losses_at = _negated(losses_at)
         return self.rollback_helps(
             flagged.model,
             flagged.step,
@@ -1265,7 +1324,7 @@ class StabilityCore:
             verdict,
             flagged.record.loss,
             flagged.comparable,
-            flagged.losses_at_snapshot,
+            losses_at,
             flagged.optimizers,
             flagged.schedulers,
             warn,
@@ -1457,7 +1516,8 @@ class StabilityCore:
             return no_snapshot_message(step, path, *unfit), path
         resumed_at = self.fit_start if self.fit_start else None  # a fit started at step 0 resumed nothing
         thresholds = (self.detector.loss_zscore, self.detector.grad_norm_zscore)
-        return stop_message(self.policy, step, to_step, recent_rollbacks, path, resumed_at, thresholds), path
+        stopped = (self.policy, step, to_step, recent_rollbacks, path, resumed_at, thresholds, self.maximized)
+        return stop_message(*stopped), path
 
     def parameters_replaced(
         self, step: int, model: nn.Module | None = None, record: StepRecord | None = None
@@ -1513,7 +1573,23 @@ class StabilityCore:
             self.fit_start_accepted,
             self.fit_start_unjudged,
             self.fit_start_negative,
+            self.maximized,
         )
+
+    def flag_message(
+        self,
+        step: int,
+        verdict: Verdict,
+        action: Action,
+        loss: float | None,
+        grad_norm: float | None,
+        key: str,
+    ) -> str:
+        """The line of a flagged step (:func:`flag_message`), ``loss`` as the module returned it (shown as
+        judged: negated where the optimizers maximize it)."""
+        if self.maximized and loss is not None:
+            loss = -loss
+        return flag_message(step, verdict, action, loss, grad_norm, key, self.detector, self.maximized)
 
     def state_dict(self, snapshot_due: bool = False) -> dict[str, Any]:
         """The guard's state for a checkpoint. ``snapshot_due``: a snapshot of this step comes after the save
@@ -1680,7 +1756,16 @@ def fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
 
-def unjudged_loss_message(loss: float | None) -> str:
+def unjudged_loss_message(loss: float | None, maximized: bool = False) -> str:
+    """The warning at the first judged loss <= 0; ``maximized``: the loss is judged negated (as ``-loss``),
+    the optimizers maximize it."""
+    if maximized:  # a reward >= 0: judged as -loss <= 0
+        told = "0" if loss is not None and loss == 0 else f"{fmt(loss)} <= 0"
+        return (
+            f"StabilityGuard: -loss is {told} ({MAXIMIZED_WHY}), which a log scale cannot judge; spikes of "
+            "-loss (drops of the loss) go unnoticed. Pass `config=StabilityGuardConfig(loss_scale='linear')` "
+            "for such losses."
+        )
     if loss is not None and loss == 0:  # a hinge, triplet or margin loss: nothing to change
         return (
             "StabilityGuard: the loss is 0, which a log scale cannot judge: such losses are left out of the "
@@ -1703,14 +1788,19 @@ def flag_message(
     grad_norm: float | None,
     key: str,
     detector: SpikeDetector,
+    maximized: bool = False,
 ) -> str:
+    """The line of a flagged step; ``maximized``: ``loss`` and its median are of the negated loss (the
+    optimizers maximize it), named ``-loss``."""
     baseline = detector.baseline(key)
     # a log scale's loss window holds the positive losses only: with a loss <= 0 seen, not the run's median
     positive = " of the positive losses" if detector.loss_scale == "log" and detector.unjudged_losses else ""
+    name, note = (MAXIMIZED_LOSS, f"; {MAXIMIZED_LOSS}: {MAXIMIZED_WHY}") if maximized else ("loss", "")
+    positive = positive.replace("losses", "values") if maximized else positive
     return (
-        f"StabilityGuard: step {step} flagged as {verdict} (loss={fmt(loss)}, grad_norm={fmt(grad_norm)}; "
-        f"{key} medians loss={fmt(baseline['loss'])}{positive}, grad_norm={fmt(baseline['grad_norm'])}); "
-        f"action: {action}."
+        f"StabilityGuard: step {step} flagged as {verdict} ({name}={fmt(loss)}, grad_norm={fmt(grad_norm)}; "
+        f"{key} medians {name}={fmt(baseline['loss'])}{positive}, grad_norm={fmt(baseline['grad_norm'])}"
+        f"{note}); action: {action}."
     )
 
 
@@ -1796,13 +1886,21 @@ def stop_message(
     path: str,
     resumed_at: int | None = None,
     thresholds: tuple[float | None, float | None] | None = None,
+    maximized: bool = False,
 ) -> str:
     """The stop's message; ``resumed_at``: the step this fit resumed a checkpoint at (``None``: not resumed);
-    ``thresholds``: the guard's ``(loss_zscore, grad_norm_zscore)``, for :func:`threshold_way_out`.
+    ``thresholds``: the guard's ``(loss_zscore, grad_norm_zscore)``, for :func:`threshold_way_out`;
+    ``maximized``: the loss was judged negated (the optimizers maximize it), which the message ends with.
     A stop back at that step's snapshot names the checkpoint first: it may hold a model gone bad before the
     guard flagged a step (a checkpoint saved mid-incident carries the snapshots a rollback needs). A stop
     whose rollbacks went untested or undid nothing says so (:func:`untested_stop_facts`) rather than blame
     the model."""
+    if maximized:
+        said = stop_message(policy, step, to_step, recent_rollbacks, path, resumed_at, thresholds)
+        return (
+            f"{said} The guard judged -loss ({MAXIMIZED_WHY}): the spikes and scores above are of -loss, a "
+            "sudden drop of the loss being a spike."
+        )
     flagged = [str(e["step"]) for e in policy.events if e["event"] not in ("rollback", "stop")][-8:]
     holds = (
         f"the snapshot of step {to_step}" if to_step is not None else "the current state (no snapshot fitted)"
@@ -2029,6 +2127,7 @@ def summary_message(
     fit_start_accepted: int = 0,
     fit_start_unjudged: int = 0,
     fit_start_negative: int = 0,
+    maximized: bool = False,
 ) -> str | None:
     """The end-of-training line. A run without spikes or rollbacks says what the guard watched (the optimizer
     steps it judged in this fit, since the detector had judged ``fit_start_accepted``, and the baselines it
@@ -2036,7 +2135,13 @@ def summary_message(
     figures are the run's (checkpointed): "no spike" holds for this fit and, after a resume, for the steps
     before it that the guard watched. Losses a log scale could not judge in this fit (the detector's count
     beyond ``fit_start_unjudged``) are said, and then no loss median is given: it would be of the positive
-    losses only."""
+    losses only. ``maximized``: the loss was judged negated (the optimizers maximize it), which the line
+    names ``-loss`` and ends saying."""
+    sign = (
+        f" The guard judged -loss ({MAXIMIZED_WHY}): a sudden drop of the loss was a spike."
+        if maximized
+        else ""
+    )
     unjudged = 0 if detector is None else detector.unjudged_losses - fit_start_unjudged
     negative = 0 if detector is None else detector.negative_losses - fit_start_negative
     spikes = policy.spikes_detected
@@ -2047,19 +2152,23 @@ def summary_message(
         baseline = detector.baseline(POOLED)
         if unjudged:
             baseline.pop("loss")
+        if maximized and "loss" in baseline:
+            baseline = {MAXIMIZED_LOSS: baseline.pop("loss"), **baseline}
         medians = ", ".join(
             f"{name.replace('_', ' ')} {value:.4g}" for name, value in baseline.items() if value is not None
         )
         clean = f"StabilityGuard: no spike or non-finite value in this fit's {judged} optimizer step(s)"
         if not unjudged:
-            return clean + (
-                f" (medians of the last {detector.window} at most: {medians})." if medians else "."
+            return (
+                clean
+                + (f" (medians of the last {detector.window} at most: {medians})." if medians else ".")
+                + sign
             )
         medians = f"medians of the last {detector.window} at most: {medians}; " if medians else ""
-        note = unjudged_losses_note(unjudged, "their", negative)
+        note = unjudged_losses_note(unjudged, "their", negative, maximized)
         return (
             f"{clean}, but {note} ({medians}no loss median: on a log scale it would be of the positive "
-            "losses only)."
+            f"losses only).{sign}"
         )
     recurring = (
         f" ({policy.recurring_spikes} recurring: their batches spiked on the rollback's snapshot too, so they "
@@ -2068,7 +2177,9 @@ def summary_message(
         else ""
     )
     unjudged_note = (
-        " Also, " + unjudged_losses_note(unjudged, "this fit's", negative) + "." if unjudged else ""
+        " Also, " + unjudged_losses_note(unjudged, "this fit's", negative, maximized) + "."
+        if unjudged
+        else ""
     )
     nonfinite_note = (
         f" {policy.recurring_nonfinite} recurring incident(s) ended on a loss non-finite at the "
@@ -2081,22 +2192,24 @@ def summary_message(
     return (
         f"StabilityGuard: {spikes} spike(s){recurring}, {policy.steps_skipped} step(s) skipped, "
         f"{policy.rollbacks} rollback(s), {policy.steps_lost} step(s) of work lost.{nonfinite_note}"
-        f"{unjudged_note}"
+        f"{unjudged_note}{sign}"
     )
 
 
-def unjudged_losses_note(count: int, whose: str, negative: int) -> str:
+def unjudged_losses_note(count: int, whose: str, negative: int, maximized: bool = False) -> str:
     """What ``count`` of ``whose`` losses a log scale could not judge mean, ``negative`` of them < 0, and the
     way out (the end-of-training line): a linear scale only for losses below 0. Losses exactly 0 (a hinge,
-    triplet or margin loss) are left out of the baselines harmlessly (a 0 is no spike)."""
+    triplet or margin loss) are left out of the baselines harmlessly (a 0 is no spike). ``maximized``: the
+    values judged were the negated losses, named ``-loss`` (the line ends saying why)."""
+    losses = f"{MAXIMIZED_LOSS} values" if maximized else "losses"
     if not negative:
         return (
-            f"{count} of {whose} losses {'was' if count == 1 else 'were'} 0, which a log scale leaves out of "
-            "its loss baselines: the positive losses were judged against the positive ones (once `warmup` of "
-            "them fell within the last `window` steps; before, only a loss 10x their median was a spike)"
+            f"{count} of {whose} {losses} {'was' if count == 1 else 'were'} 0, which a log scale leaves out "
+            "of its loss baselines: the positive losses were judged against the positive ones (once `warmup` "
+            "of them fell within the last `window` steps; before, only a loss 10x their median was a spike)"
         )
     return (
-        f"{count} of {whose} losses {'was' if count == 1 else 'were'} <= 0, which a log scale cannot judge, "
-        "so a loss spike there would have gone unnoticed: pass "
+        f"{count} of {whose} {losses} {'was' if count == 1 else 'were'} <= 0, which a log scale cannot "
+        "judge, so a loss spike there would have gone unnoticed: pass "
         "`config=StabilityGuardConfig(loss_scale='linear')` for such losses"
     )
