@@ -142,7 +142,12 @@ class SkippedStepLogs:
     """Takes what a skipped optimizer step logged (``self.log`` in ``training_step`` and the hooks up to
     StabilityGuard's batch end, every micro-batch of its window) out of Lightning's epoch figures of the
     training results, so that the NaN loss of a skipped step does not make ``train_loss_epoch`` NaN (and
-    ``EarlyStopping`` end the run). The step's own step values (``*_step``) are still published, as that step's.
+    ``EarlyStopping`` end the run). The step's own step values (``*_step``) are still published, as that step's,
+    but no step-interval ``ReduceLROnPlateau`` reads them: Lightning's update of those schedulers after the
+    step's batch end is passed over (:func:`pass_over_plateau_update`), so the step's NaN or spike is not a bad
+    step to them, and a rollback leaves them at its snapshot's state. A monitor read at the epoch's end (an
+    epoch-interval plateau scheduler, EarlyStopping, ModelCheckpoint) on a step value still reads the last
+    step's: where that step was skipped, :meth:`epoch_ends` says so.
 
     Lightning's ``_ResultMetric.update`` rebinds ``value`` and ``cumulated_batch_size`` (``self.value =
     self.value + value * batch_size``; ``reduce_fx(self.value, value)`` for a max or min), never writes into
@@ -157,15 +162,20 @@ class SkippedStepLogs:
 
     def __init__(self, trainer: pl.Trainer | None = None) -> None:
         # the fit's training results: one collection the training epoch loop keeps for all its epochs
-        results = None if trainer is None else trainer.fit_loop.epoch_loop._results
+        loop = None if trainer is None else trainer.fit_loop.epoch_loop
+        results = None if loop is None else loop._results
         self._results: Callable[[], Any] | None = None if results is None else weakref.ref(results)
-        self._at_start: dict[str, tuple[Any, Any, int]] = {}  # key: (value, cumulated_batch_size, updates)
+        self._loop: Callable[[], Any] | None = None if loop is None else weakref.ref(loop)
+        # key: (value, cumulated_batch_size, updates, step value)
+        self._at_start: dict[str, tuple[Any, Any, int, Any]] = {}
         self._taken_out = 0  # steps taken out in this epoch
+        # the step names (``name`` or ``name_step``) the last taken-out step logged, and its batch's count
+        self._step_logged: tuple[int, set[str]] = (-1, set())
         self._unlogged: set[str] = set()  # the keys a taken-out step logged first in the epoch
         self._said: set[str] = set()  # the warnings said this fit, by kind
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_results": None, "_at_start": {}, "_unlogged": set()}
+        return {**self.__dict__, "_results": None, "_loop": None, "_at_start": {}, "_unlogged": set()}
 
     def _logged(self) -> Any:
         return None if self._results is None else self._results()
@@ -174,15 +184,30 @@ class SkippedStepLogs:
         """At the first micro-batch of an optimizer step: hold every logged result's figures, by reference."""
         if (results := self._logged()) is not None:
             self._at_start = {
-                key: (result.value, result.__dict__.get("cumulated_batch_size"), result._update_count)
+                key: (
+                    result.value,
+                    result.__dict__.get("cumulated_batch_size"),
+                    result._update_count,
+                    result._forward_cache,
+                )
                 for key, result in results.items()
             }
 
     def take_out(self) -> None:
-        """At the batch end of a skipped step: put back the epoch's figures held at its start."""
+        """At the batch end of a skipped step: put back the epoch's figures held at its start, and keep the
+        step-interval plateau schedulers from Lightning's update that follows."""
+        loop = None if self._loop is None else self._loop()
+        pass_over_plateau_update(loop)
         if (results := self._logged()) is None:
             return
         held = self._at_start
+        if loop is not None:  # a new step value: a new tensor (``_ResultMetric.update`` clones it)
+            logged = {
+                result.meta.forked_name(True)
+                for key, result in results.items()
+                if result.meta.on_step and (key not in held or result._forward_cache is not held[key][3])
+            }
+            self._step_logged = (loop.batch_progress.total.processed, logged)
         for key, result in results.items():
             if not result.is_tensor or not result.meta.on_epoch:
                 continue  # a torchmetrics object's states are the module's
@@ -195,7 +220,7 @@ class SkippedStepLogs:
                 result._forward_cache, result.has_reset = step_value, False
                 self._unlogged.add(key)
                 continue
-            result.value, batch_size, result._update_count = entry
+            result.value, batch_size, result._update_count = entry[:3]
             if batch_size is not None:
                 result.cumulated_batch_size = batch_size
             result._computed = None
@@ -204,7 +229,8 @@ class SkippedStepLogs:
     def epoch_ends(self, trainer: pl.Trainer, warn: Callable[[str], Any]) -> None:
         """At the training epoch's end, before the monitors read its figures, where a step of it was taken
         out: a key only skipped steps logged in the epoch gets no epoch figure (the mean of nothing is
-        ``0 / 0``, NaN), and a monitored torchmetrics object holding a NaN is said; once a fit each."""
+        ``0 / 0``, NaN), and a monitored torchmetrics object holding a NaN is said, as is a monitored step value
+        the epoch's last step logged where that step was skipped; once a fit each."""
         if not self._taken_out or (results := self._logged()) is None:
             return
         skipped, unlogged, self._taken_out, self._unlogged = self._taken_out, self._unlogged, 0, set()
@@ -224,6 +250,48 @@ class SkippedStepLogs:
         if nan_metrics and "nan" not in self._said:
             self._said.add("nan")
             warn(_nan_metric_message(nan_metrics, monitors, epoch, skipped))
+        loop = None if self._loop is None else self._loop()
+        batch, logged = self._step_logged
+        if loop is None or batch != loop.batch_progress.total.processed or "last" in self._said:
+            return  # the epoch's last batch did not end a skipped step (or said already)
+        per_step = {_plateau_monitor(c) for c in trainer.lr_scheduler_configs if c.interval == "step"}
+        read = {
+            key: [m for m in monitors[key] if m not in per_step] for key in sorted(logged) if key in monitors
+        }
+        if read := {key: found for key, found in read.items() if found}:  # read at the epoch's end
+            self._said.add("last")
+            warn(_last_step_message(read, epoch))
+
+
+def pass_over_plateau_update(epoch_loop: Any) -> None:
+    """Call at the batch end of an optimizer step whose update was dropped: Lightning's update of the
+    step-interval ``ReduceLROnPlateau`` schedulers that follows (the epoch loop's ``on_advance_end``, after
+    every batch-end hook and any validation there) steps none of them, for this batch only.
+
+    That update reads the step's logged value (``trainer.callback_metrics[monitor]``): a skipped step's NaN
+    or spike counted as a bad step (``num_bad_epochs``), and after a rollback, whose restore comes in the
+    batch end, before it, left the scheduler a step past the snapshot's state, the rate cut where the
+    patience was nearly used. Passed over, the scheduler counts no step, as for a step not taken; the other
+    schedulers are stepped before the batch end, as ever. ``update_lr_schedulers`` is wrapped on this loop
+    instance for its next plateau update only, and removes itself then; a wrapper left by a fit that raised
+    before that update passes a later batch's update through (the batch counter differs)."""
+    if epoch_loop is None or not callable(getattr(epoch_loop, "update_lr_schedulers", None)):
+        return
+    batch = epoch_loop.batch_progress.total.processed  # this batch's; a later batch's is higher
+
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
+        def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+            if interval != "step" or not update_plateau_schedulers:
+                return original(interval, update_plateau_schedulers=update_plateau_schedulers)
+            passed_over = state["active"] and epoch_loop.batch_progress.total.processed == batch
+            remove()
+            if not passed_over:
+                original(interval, update_plateau_schedulers=update_plateau_schedulers)
+            return None
+
+        return update_lr_schedulers
+
+    remove = _wrap_on_instance(epoch_loop, "update_lr_schedulers", wrap)
 
 
 def _monitors(trainer: pl.Trainer) -> dict[str, list[str]]:
@@ -280,6 +348,19 @@ def _nan_metric_message(metas: list[Any], monitors: Mapping[str, list[str]], epo
     )
 
 
+def _last_step_message(monitors: Mapping[str, list[str]], epoch: int) -> str:
+    names = ", ".join(f"`{key}`" for key in monitors)
+    read = ", ".join(monitor for found in monitors.values() for monitor in found)
+    return (
+        f"StabilityGuard: the last step of training epoch {epoch} was skipped, and {read} read {names} at the "
+        "epoch's end: a step value (logged `on_step`), the skipped step's own (NaN, or the spike). A "
+        "ReduceLROnPlateau stepped per epoch counts it as a bad epoch, EarlyStopping stops on a NaN, "
+        "ModelCheckpoint ranks it. Monitor an epoch figure instead (log with `on_epoch=True` and monitor "
+        "`<name>_epoch`, or `<name>` logged `on_step=False`: skipped steps are left out of it) or a validation "
+        "metric. A plateau scheduler stepped per step never reads a skipped step's value. Said once a fit."
+    )
+
+
 def _logged_result_problems() -> list[str]:
     """What :class:`SkippedStepLogs` relies on in Lightning's ``_ResultMetric``: its attributes, and an update
     that rebinds ``value`` and ``cumulated_batch_size`` (a reference held before it keeps the figure)."""
@@ -313,6 +394,8 @@ def private_api_problems() -> list[str]:
         problems.append("torch.Tensor._use_count")
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
+    if "update_lr_schedulers" not in _TrainingEpochLoop.on_advance_end.__code__.co_names:
+        problems.append("_TrainingEpochLoop.on_advance_end calling update_lr_schedulers (plateau schedulers)")
     if "_batches_that_stepped" not in _TrainingEpochLoop.__init__.__code__.co_names:
         problems.append("_TrainingEpochLoop._batches_that_stepped")
     problems += _logged_result_problems()
@@ -1602,9 +1685,13 @@ def training_key_monitors(trainer: pl.Trainer) -> list[tuple[str, str]]:
     ]
     for config in trainer.lr_scheduler_configs:
         if config.reduce_on_plateau and config.monitor is not None:
-            name = type(config.scheduler).__name__
-            monitors.append((f"{name} (lr_scheduler config monitor={config.monitor!r})", config.monitor))
+            monitors.append((_plateau_monitor(config), config.monitor))
     return [(monitor, key) for monitor, key in monitors if key in logged]
+
+
+def _plateau_monitor(config: Any) -> str:
+    """How :func:`training_key_monitors` names a ``ReduceLROnPlateau`` scheduler config."""
+    return f"{type(config.scheduler).__name__} (lr_scheduler config monitor={config.monitor!r})"
 
 
 def _compiled_submodules(

@@ -1,8 +1,11 @@
 """What a StabilityGuard skip or rollback does to what the module logs and to its torchmetrics metrics (sweep
 s41, metrics findings 2 and 3): a skipped step's logged values leave Lightning's epoch figures, and a rollback
-leaves the module's metric states alone."""
+leaves the module's metric states alone. A step-interval ``ReduceLROnPlateau`` never reads a skipped step's
+value, and a rollback leaves it at the snapshot's state (sweep s42 "optim", problem 2)."""
 
 from __future__ import annotations
+
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -10,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 from torch import nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -171,3 +175,101 @@ def test_a_rollback_to_an_earlier_epochs_snapshot_leaves_this_epochs_metric_stat
     applied = _applied(module, epochs, 1)
     mean = sum(loss * size for loss, size in applied) / sum(size for _, size in applied)
     assert epochs.figures[1]["train_loss_epoch"] == pytest.approx(mean, rel=1e-5)
+
+
+class _Plateau(_Logging):
+    """Cuts its rate by a ``ReduceLROnPlateau`` on the step's logged loss, stepped every optimizer step (or
+    at each epoch's end: ``interval``)."""
+
+    def __init__(self, interval: str = "step", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.interval = interval
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        plateau = ReduceLROnPlateau(optimizer, patience=2, factor=0.5)
+        config = {"scheduler": plateau, "interval": self.interval, "monitor": "train_loss_step"}
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+PLATEAU_FIELDS = ("last_epoch", "num_bad_epochs", "best", "cooldown_counter", "_last_lr")
+
+
+def _plateau_state(trainer) -> dict:
+    """The plateau scheduler's counters and the rate it set."""
+    state = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+    return {key: state[key] for key in PLATEAU_FIELDS} | {"lr": trainer.optimizers[0].param_groups[0]["lr"]}
+
+
+class _AfterRollback(Callback):
+    """Listed after the guard: the plateau scheduler's state at the first five batch starts after the
+    rollback, and its state in the snapshot the rollback returned to."""
+
+    def __init__(self, guard: StabilityGuard) -> None:
+        self.guard, self.saved, self.seen = guard, None, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.guard.rollbacks and self.saved is None:
+            to_step = self.guard.events[-1]["to_step"]
+            snapshot = next(s for s in self.guard.snapshots._snapshots if s.step == to_step)
+            saved, lr = snapshot.schedulers[0], snapshot.optimizers[0]["param_groups"][0]["lr"]
+            self.saved = {key: saved[key] for key in PLATEAU_FIELDS} | {"lr": lr}
+        if self.saved is not None and len(self.seen) < 5:
+            self.seen.append(_plateau_state(trainer))
+
+
+def test_a_skipped_steps_logged_loss_is_no_bad_step_to_a_step_interval_plateau_scheduler(tmp_path):
+    """Lightning steps a step-interval plateau scheduler after the batch end, on the step's logged value: a
+    skipped step's NaN counted as a bad step (``num_bad_epochs``), and three in a patience of 2 cut the rate.
+    Now the scheduler sees the applied steps' losses only, as one stepped by hand on them."""
+    module, guard = _Plateau(), StabilityGuard()
+    trainer, epochs = _fit(tmp_path, module, _data([5, 100, 250]), guard)
+    applied = [loss for _, step, _, loss, _ in module.rows if step not in epochs.dropped]
+    assert guard.steps_skipped == 6 and len(applied) == 14
+    reference = ReduceLROnPlateau(
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05), patience=2, factor=0.5
+    )
+    for loss in applied:
+        reference.step(loss)
+    expected = {
+        key: reference.state_dict()[key] for key in ("last_epoch", "num_bad_epochs", "best", "_last_lr")
+    }
+    state = _plateau_state(trainer)
+    assert {key: state[key] for key in expected} == expected and state["lr"] == reference._last_lr[0]
+
+
+def test_a_rollback_leaves_a_step_interval_plateau_scheduler_at_its_snapshots_state(tmp_path):
+    """The guard restores the schedulers in its batch end, and Lightning then stepped the plateau scheduler
+    on the flagged step's NaN: one step past the snapshot's state, and one more for each skip after the
+    rollback. Now it stays at the snapshot's state until the first applied step after the rollback."""
+    module = _Plateau(damage_at=13)
+    guard = StabilityGuard(snapshot_every=5, rollback_margin=2, skip_after_rollback=3)
+    after = _AfterRollback(guard)
+    _, epochs = _fit(tmp_path, module, _data(), guard, after)
+    assert guard.rollbacks == 1 and guard.events[-1]["to_step"] == 10
+    assert epochs.dropped == {13, 14, 15, 16}
+    assert len(after.seen) == 5 and after.seen[:4] == [after.saved] * 4  # the batch starts of steps 14 to 17
+    assert after.seen[4]["last_epoch"] == after.saved["last_epoch"] + 1  # step 18's: step 17 applied, counted
+
+
+@pytest.mark.parametrize("interval", ["epoch", "step"])
+def test_a_step_value_read_at_the_end_of_an_epoch_whose_last_step_was_skipped_is_said_once(
+    tmp_path, interval
+):
+    """Read at the epoch's end (Lightning's default interval for a scheduler), ``train_loss_step`` is the
+    epoch's last step's value: where the guard skipped that step, its NaN, which the plateau scheduler counts
+    as a bad epoch. Nothing can take it out of what the scheduler reads: it is said, naming the monitor and the
+    way out. A scheduler stepped per step never reads it, and nothing is said."""
+    module, guard = _Plateau(interval), StabilityGuard()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer, _ = _fit(tmp_path, module, _data([5, 300]), guard)  # batch 9: each epoch's last
+    assert guard.steps_skipped == 4
+    last = [str(w.message) for w in said if "the last step of training epoch" in str(w.message)]
+    plateau = trainer.lr_scheduler_configs[0].scheduler
+    if interval == "step":
+        assert last == [] and plateau.last_epoch == 16
+        return
+    assert len(last) == 1 and "training epoch 0" in last[0] and "monitor='train_loss_step'" in last[0]
+    assert "`<name>_epoch`" in last[0]
+    assert plateau.last_epoch == 2 and plateau.num_bad_epochs == 2  # what it says: NaN, a bad epoch, twice

@@ -145,9 +145,32 @@ def test_a_skip_leaves_an_optimizer_outside_torch_optim_exactly_as_it_was():
     optimizer.step()
     assert optimizer.state_dict() == before[0] and optimizer.param_groups[0]["k"] == 1
     assert all(torch.equal(p, saved) for p, saved in zip(model.parameters(), before[1]))
+    # then None, as a step not taken leaves them: zeros beside the restored state read as a stepped
+    # parameter to an LR scheduler (HF's AdafactorSchedule raised KeyError: 'step' on a fresh parameter)
+    assert all(p.grad is None for p in model.parameters())
     _loss(model)
     optimizer.step()  # nothing pending: the next step trains
     assert optimizer.param_groups[0]["k"] == 2
+    changes.detach()
+
+
+@pytest.mark.parametrize("make_optimizer", [CountingSGD, torch.optim.SGD], ids=["outside", "torch.optim"])
+def test_gradients_are_none_after_a_skip_from_a_backup_and_kept_after_an_applied_step(make_optimizer):
+    # a held-out sweep: a skip from a backup left the zeroed gradients (HF Adafactor's schedule then read the
+    # restored, empty state of a parameter it took for stepped); torch.optim's own skip sets None
+    model = nn.Linear(3, 2)
+    optimizer = make_optimizer(model.parameters())
+    changes = StepChanges()
+    changes.attach([optimizer])
+    _loss(model)
+    changes.hold(optimizer)  # a backup before a step that may still be skipped (SAM), dropped: applied
+    optimizer.step()
+    assert all(p.grad is not None and p.grad.any() for p in model.parameters())
+    _loss(model)
+    changes.skip(optimizer, keep_gradients=True)  # zeroed for clipping by value, undone from a backup
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    optimizer.step()
+    assert all(p.grad is None for p in model.parameters())
     changes.detach()
 
 

@@ -692,7 +692,8 @@ class StepChanges:
       other optimizer may keep global counters (schedule-free ones do), or read the gradients in its step
       (SAM stacks their norms: a list of none fails): its gradients are zeroed in place instead, and its
       state, its inner optimizers' (SAM's base optimizer) and the parameters are backed up and put back
-      after its step, with the parameter-group dicts it shares with them kept the same objects.
+      after its step, with the parameter-group dicts it shares with them kept the same objects, and the
+      gradients set to ``None`` then, as on the other path.
     * :meth:`hold`: a backup taken before a step that may still be skipped after its parameters moved (a
       later closure evaluation of SAM or LBFGS that turns out non-finite); dropped after an applied step.
     * :meth:`scale_lr`: the learning rates of one step scaled, put back after the step, before Lightning
@@ -747,7 +748,8 @@ class StepChanges:
 
         ``keep_gradients``: for code that runs between the decision and the step and needs gradients (clipping
         by value raises on a list of none): they are zeroed in place instead, and the step is undone from a
-        backup of the state and parameters, as for an optimizer that ``needs_backup``."""
+        backup of the state and parameters, as for an optimizer that ``needs_backup``. Either way the
+        gradients are ``None`` once the step is over (:meth:`restore`), as after a step not taken."""
         backed_up = keep_gradients or needs_backup(optimizer)
         if backed_up and self._backup is None:  # LBFGS may decide twice; a held backup predates the step
             self._backup = _backup_of(optimizer)
@@ -770,8 +772,8 @@ class StepChanges:
             group["lr"] = group["lr"] * factor
 
     def restore(self) -> None:
-        """Put back a backed-up state (of a skipped step; a held one of an applied step is dropped) and scaled
-        learning rates (nothing if none is pending)."""
+        """Put back a backed-up state (of a skipped step, its gradients set to ``None``; a held one of an
+        applied step is dropped) and scaled learning rates (nothing if none is pending)."""
         if self._backup is not None:
             optimizer, states, params = self._backup
             self._backup = None  # dropped after this: the optimizer may keep its tensors
@@ -784,6 +786,10 @@ class StepChanges:
                         # GradientCache's activation cache recorded stay valid (it drops them on any write)
                         if not torch.equal(param, saved):
                             param.copy_(saved)
+                        # None, as a step not taken leaves them (and as the torch.optim skip sets them): the
+                        # zeros the skip put in would tell the LR scheduler the parameter stepped, where its
+                        # state is back to the one before (HF AdafactorSchedule read a missing `step`)
+                        param.grad = None
         self._skipping = False
         if self._saved_lrs is not None:
             optimizer, lrs = self._saved_lrs
