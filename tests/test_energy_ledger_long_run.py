@@ -104,3 +104,37 @@ def test_the_figures_equal_those_of_the_sorting_ledger_on_a_run_that_drops_bucke
     assert list(groups["cycles"])[0] == str(2 * small_cap + 7)  # the latest kept
     assert groups["epochs"]["170"]["steps"] == 2 and groups["cycles"]["100"]["steps"] == 3
     assert groups["total"]["steps"] == 3 * (3 * small_cap + 7) and groups["total"]["co2_kg"] > 0
+
+
+def _part(first_wall: float, bins: int, joules: float) -> dict:
+    walls = [first_wall + i for i in range(bins + 1)]
+    return {
+        "start_wall": walls[:-1],
+        "end_wall": walls[1:],
+        **{f"{c}_j": [joules] * bins for c in ("gpu", "cpu", "ram")},
+    }
+
+
+def test_a_run_resumed_again_and_again_keeps_a_timeline_as_small_as_an_uninterrupted_runs():
+    # held-out sweep: each resume appended up to 400 bins to the carried snapshot (1,030-1,157 bins after 7
+    # resumes; EnergyLogger's state 13 KB -> 82 KB, energy_report.json 40 KB -> 412 KB after 11)
+    merged: dict | None = None
+    for part in range(8):  # each part 400 bins of 1 s, an hour apart
+        snapshot = {"buckets": {}, "timeline": _part(3600.0 * part, 400, 1.0), "phase_segments": []}
+        merged = ledger_module.merge_snapshots(merged, snapshot)
+    timeline = merged["timeline"]
+    assert len(timeline["start_wall"]) <= ledger_module.MAX_TIMELINE_BINS
+    assert {len(values) for values in timeline.values()} == {len(timeline["start_wall"])}
+    assert sum(timeline["gpu_j"]) == pytest.approx(8 * 400.0)  # every joule kept
+    # merged bins stay within their part: none reaches across the hour between two parts
+    spans = [end - start for start, end in zip(timeline["start_wall"], timeline["end_wall"])]
+    assert max(spans) < 3600.0
+    assert timeline["start_wall"] == sorted(timeline["start_wall"])
+
+
+def test_a_timeline_of_more_parts_than_bins_is_coarsened_across_them():
+    parts = [_part(10.0 * i, 1, 2.0) for i in range(12)]
+    joined = {name: [value for part in parts for value in part[name]] for name in parts[0]}
+    coarse = ledger_module.coarsened_timeline(joined, max_bins=5)
+    assert len(coarse["start_wall"]) <= 5 and sum(coarse["cpu_j"]) == pytest.approx(24.0)
+    assert coarse["start_wall"][0] == 0.0 and coarse["end_wall"][-1] == 111.0

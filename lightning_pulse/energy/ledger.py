@@ -36,6 +36,8 @@ from lightning_pulse.energy.meter import (
 from lightning_pulse.records import RECENT_RECORDS, append_recent
 
 J_PER_KWH = 3.6e6
+#: the most bins a run's energy timeline holds (a resumed run's parts together too: coarsened_timeline)
+MAX_TIMELINE_BINS = 400
 STAGES = ("train", "validation", "other")
 #: the stages of the training loop: only a label in one of them adds to ``phase/``, ``cycle/`` and ``epoch/``
 #: buckets, so the phases sum to exactly these stages (less the sanity check, a validation in no phase)
@@ -549,7 +551,7 @@ class EnergyLedger:
         self,
         now: float,
         edges: np.ndarray | None = None,
-        max_bins: int = 400,
+        max_bins: int = MAX_TIMELINE_BINS,
         timeline: bool = True,
         keys: Callable[[str], bool] | None = None,
     ) -> dict[str, Any]:
@@ -581,7 +583,7 @@ class EnergyLedger:
 
 
 # ---------------------------------------------------------------------- timeline
-def timeline_edges(walls: Sequence[float], max_bins: int = 400) -> np.ndarray:
+def timeline_edges(walls: Sequence[float], max_bins: int = MAX_TIMELINE_BINS) -> np.ndarray:
     """Evenly spaced wall-clock bin edges covering the readings (no bins for fewer than 2 readings)."""
     if len(walls) < 2 or walls[-1] <= walls[0]:
         return np.zeros(0)
@@ -670,6 +672,7 @@ def merge_snapshots(earlier: Mapping[str, Any] | None, later: Mapping[str, Any])
     timeline = {name: list(earlier.get("timeline", {}).get(name, [])) for name in _TIMELINE_KEYS}
     for name in _TIMELINE_KEYS:
         timeline[name] += list(later.get("timeline", {}).get(name, []))
+    timeline = coarsened_timeline(timeline)  # each part brings up to MAX_TIMELINE_BINS
     merged = {key: _copy(value) for key, value in later.items() if key != "buckets"}
     merged["buckets"] = recent_buckets({key: bucket.to_dict() for key, bucket in buckets.items()})
     if "timeline" in later:
@@ -684,6 +687,39 @@ def merge_snapshots(earlier: Mapping[str, Any] | None, later: Mapping[str, Any])
 
 
 _TIMELINE_KEYS = ("start_wall", "end_wall", *(f"{c}_j" for c in COMPONENTS))
+
+
+def coarsened_timeline(timeline: Mapping[str, list], max_bins: int = MAX_TIMELINE_BINS) -> dict[str, list]:
+    """``timeline`` (bins of :func:`bin_timeline`, consecutive parts of a resumed run one after another) in at
+    most ``max_bins`` bins: runs of adjacent bins merged into one, its energy their sum, so that a run resumed
+    again and again keeps a timeline (and a checkpoint and report) as small as an uninterrupted run's, every
+    joule kept. A merged bin does not reach across the time between two parts (where nothing ran) while
+    there are fewer parts than ``max_bins``."""
+    starts, ends = list(timeline.get("start_wall", [])), list(timeline.get("end_wall", []))
+    count = len(starts)
+    if count <= max_bins:
+        return {name: list(timeline.get(name, [])) for name in _TIMELINE_KEYS}
+    parts = [0] + [i for i in range(1, count) if starts[i] > ends[i - 1]]  # the first bin of each part
+    if len(parts) >= max_bins:
+        parts = [0]
+    size = math.ceil(count / max_bins)
+    while True:  # bins of `size` within each part; a part's last group may be shorter
+        groups = [
+            (start, min(start + size, stop))
+            for first, stop in zip(parts, [*parts[1:], count])
+            for start in range(first, stop, size)
+        ]
+        if len(groups) <= max_bins:
+            break
+        size += 1
+    merged: dict[str, list] = {
+        "start_wall": [starts[a] for a, _ in groups],
+        "end_wall": [ends[b - 1] for _, b in groups],
+    }
+    for name in _TIMELINE_KEYS[2:]:
+        values = list(timeline.get(name, []))
+        merged[name] = [sum(values[a:b]) for a, b in groups] if values else []
+    return merged
 
 
 def _copy(value: Any) -> Any:
