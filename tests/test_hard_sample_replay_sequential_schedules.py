@@ -217,6 +217,26 @@ def test_the_course_of_a_composite_schedule_ends_where_its_one_cycle_raises(buil
     assert _steps_before_raising(schedule) == 44
 
 
+def test_a_chain_ends_with_its_first_scheduler_to_end_and_is_refused_by_its_share():
+    # a review: a ChainedScheduler was read by its latest end; a OneCycleLR in it raises at its own, whatever a
+    # sibling closing over a longer horizon says (a resume was not refused and raised mid-run)
+    from types import SimpleNamespace
+
+    from lightning_pulse.step_saving import UnplannedLengths
+
+    def chain(optimizer, one_cycle_steps):
+        one_cycle = lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=one_cycle_steps)
+        return lr_scheduler.ChainedScheduler(
+            [one_cycle, lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / 100)]
+        )
+
+    schedule = chain(_optimizer(), 30)
+    assert schedule_course(schedule) == (30, 30)
+    assert _steps_before_raising(schedule) == 30
+    plain = SimpleNamespace(interval="step", frequency=1, scheduler=chain(_optimizer(), 48))
+    assert UnplannedLengths(48, 4, 12, 1, None).cut_short(plain, 36).share == pytest.approx(0.75)
+
+
 def test_a_schedule_that_ends_periodic_or_held_has_no_course():
     optimizer = _optimizer()
     restarts = lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=10)

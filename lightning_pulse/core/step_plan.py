@@ -1121,7 +1121,7 @@ def schedule_lengths(scheduler: Any) -> set[int]:
 def schedule_course(scheduler: Any) -> tuple[int, int] | None:
     """``(length, steps left)`` of an LR scheduler's course on its own count of steps: where it ends (the
     longest of :func:`schedule_lengths`; a ``SequentialLR``'s, where its last scheduler's does, that
-    scheduler restarted at the last milestone; a ``ChainedScheduler``'s, where the last of its schedulers'
+    scheduler restarted at the last milestone; a ``ChainedScheduler``'s, where the first of its schedulers to end
     does) and the steps from where it stands to there (below 0: stepped past it). ``None`` for a scheduler
     without an end: no length (periodic, or constant after a warm-up), or a SequentialLR whose last scheduler
     has none (a warm-up, then ``CosineAnnealingWarmRestarts``)."""
@@ -1147,8 +1147,9 @@ def _steps_left(scheduler: Any) -> int | None:
         lengths = schedule_lengths(scheduler)
         return max(lengths) - schedule_position(scheduler) if lengths else None
     milestones = _milestones(scheduler)
-    if milestones is None:  # a ChainedScheduler: its schedulers step together, the latest end is its end
-        return max((left for child in inner if (left := _steps_left(child)) is not None), default=None)
+    if milestones is None:  # a ChainedScheduler: its schedulers step together, and the first to end ends it
+        # (a OneCycleLR raises at its own end whatever its siblings' lengths: a review)
+        return min((left for child in inner if (left := _steps_left(child)) is not None), default=None)
     last, start = inner[-1], milestones[-1] if milestones else 0
     left = _steps_left(last)
     position = schedule_position(scheduler)
