@@ -20,6 +20,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.callbacks import timer as lightning_timer
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pulse import (
@@ -459,6 +460,54 @@ def test_a_suspended_run_trains_the_phases_of_the_uninterrupted_one_in_any_callb
     assert saved_mid_phase >= 2  # suspended inside a phase with GreenWindow first, more than once
     assert alternating == uninterrupted  # the same phase at every step: no step added to a phase by a resume
     assert suspended_run(lambda i: False)[0] == uninterrupted
+
+
+class ShuffleFreeBoring(BoringModel):
+    """Lightning's BoringModel on 160 fixed samples in order (10 batches of 16): a mid-epoch resume of a
+    step-saving HardSampleReplay trains the batches the uninterrupted run does."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        samples = torch.randn(160, 32, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(list(samples), batch_size=16)
+
+
+def test_a_suspend_at_a_dirty_resumes_start_keeps_the_step_saving_replays_place_in_its_data(tmp_path):
+    # regression sweep of pass 41: from 06:00 the run suspends after step 1, and again at the first resume's
+    # train start (the window not open yet). HardSampleReplay let go of its restored stream in its own
+    # on_train_start, before the resumed pass began, so the second checkpoint (saved by GreenWindow's save,
+    # listed last) held it at epoch 0, sample 0 while the loops were 1 batch in: 32 steps for 34, weights apart
+    start, checkpoints = "2020-06-15 06:00:00", tmp_path / "ckpt"
+
+    def attempt(clock, phases, green=None, ckpt_path=None):
+        pl.seed_everything(0, verbose=False)
+        pulse = PulseCycle(burst=4, replay=3, maintain=2, warmup=0.1, anneal=0.2, maintain_eval="none")
+        callbacks = [*([green] if green else []), pulse, HardSampleReplay(), TrainedPhases(phases)]
+        callbacks.append(ModelCheckpoint(dirpath=checkpoints, save_top_k=0))
+        kwargs = dict(max_epochs=4, enable_checkpointing=True, default_root_dir=tmp_path)
+        trainer, model = fit(callbacks, clock, steps=-1, **kwargs), ShuffleFreeBoring()
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return trainer, model
+
+    uninterrupted: dict[int, int] = {}
+    plain, plain_model = attempt(SimulatedClock(start), uninterrupted)
+    clock, phases, ckpt_path, streams = SimulatedClock(start), {}, None, []
+    for _ in range(10):
+        green = GreenWindow(signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock)
+        trainer, model = attempt(clock, phases, green, ckpt_path)
+        if green.suspended is None:
+            break
+        ckpt_path = str(checkpoints / SUSPEND_CHECKPOINT)
+        saved = torch.load(ckpt_path, weights_only=False)
+        streams.append((saved["global_step"], saved["callbacks"]["HardSampleReplay"]["stream"]))
+        assert run_wait_for_window([str(checkpoints)], clock=clock) == 0
+    # the second suspend, at the resume's start, saves the replay stream the first one did, not epoch 0's start
+    assert [step for step, _ in streams] == [1, 1] and streams[1][1]["samples"] == 16
+    assert _same_state(streams[1][1], streams[0][1])
+    assert trainer.global_step == plain.global_step == 34 and phases == uninterrupted
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
 
 
 def test_light_without_pulse_cycle_is_refused_at_fit_start(mnist1d_small):

@@ -245,6 +245,39 @@ def test_a_checkpoint_of_a_fit_resumed_at_an_epochs_last_batch_resumes_as_the_un
         assert torch.equal(mine, theirs)
 
 
+@pytest.mark.parametrize("saved_at", ["last-batch", "epoch-end"])
+def test_a_resume_from_a_short_pass_the_plan_made_after_an_epoch_ended_early_is_read_as_its_end(
+    tmp_path, caplog, saved_at
+):
+    # regression sweep of pass 41: under max_steps alone the samples epoch 0 left untrained stay in the run's
+    # data, so the plan made again ends it with passes shorter than the data's (epochs 3 and 4: one batch
+    # each). The resume read epoch 3's end against the whole dataset: saved in the epoch's end hooks, it was
+    # taken for a stop inside epoch 3 ("the checkpoint was saved at a stop inside epoch 3", "26 optimizer steps
+    # instead of 19 (1.368x") and trained 26 steps of 27; saved at its last batch, step 26 trained in epoch 5
+    every_step = ModelCheckpoint(dirpath=tmp_path / "steps", every_n_train_steps=1, save_top_k=-1)
+    module, run = EndsEpochsEarly(stop=5, cut=(0,)), dict(max_epochs=-1, max_steps=30)
+    full, full_rows = _fit(module, tmp_path / "full", every_step, SaveAtEpochEnd(tmp_path / "ends"), **run)
+    assert [row[:2] for row in full_rows[-3:]] == [(2, 24), (3, 25), (4, 26)]  # two one-batch passes
+    ends = tmp_path / ("steps" if saved_at == "last-batch" else "ends")
+    path = next(ends.glob("epoch=3-step=26*.ckpt"))
+
+    def stream(checkpoint):
+        return torch.load(checkpoint, weights_only=False)["callbacks"]["HardSampleReplay"]["stream"]
+
+    # the short pass's length is saved; a whole pass's checkpoint is as it was
+    assert stream(path)["pass_samples"] == BATCH
+    assert "pass_samples" not in stream(next((tmp_path / "ends").glob("epoch=1-*.ckpt")))
+    with caplog.at_level(logging.INFO):
+        resumed, rows = _fit(
+            EndsEpochsEarly(stop=5, cut=(0,)), tmp_path / "resumed", ckpt_path=str(path), **run
+        )
+    assert resumed.global_step == full.global_step == 27
+    assert rows == full_rows[-1:] and rows[0][:2] == (4, 26)
+    for mine, theirs in zip(resumed.lightning_module.parameters(), full.lightning_module.parameters()):
+        assert torch.equal(mine, theirs)
+    assert "stop inside" not in caplog.text and "instead of 19" not in caplog.text
+
+
 class OneCycleAtTheTail(EndsEpochsEarly):
     """Skips epoch 2's last planned batch (its 6th), with a OneCycleLR built for the planned steps."""
 

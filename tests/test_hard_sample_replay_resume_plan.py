@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from examples.mnist1d import MNIST1DClassifier
 from lightning_pulse import HardSampleReplay, PulseCycle
@@ -55,6 +55,42 @@ def test_a_resume_from_before_the_first_threshold_ends_with_the_uninterrupted_ru
     torch.save(older, tmp_path / "older.ckpt")
     _, from_older = _fit(callbacks(), ckpt_path=str(tmp_path / "older.ckpt"))
     assert from_older.global_step == full.global_step
+
+
+class SaveAtTrainStartAndStop(Callback):
+    """Saves at the fit's start and stops it before any batch, as GreenWindow's suspend does at a resume whose
+    window is still dirty (its save is listed last)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        trainer.save_checkpoint(self.path)
+        trainer.should_stop = True
+
+
+def test_a_checkpoint_saved_at_a_mid_epoch_resumes_start_by_a_callback_listed_after_it_resumes_the_run(
+    tmp_path,
+):
+    # regression sweep of pass 41: HardSampleReplay let go of the restored stream state in its own
+    # on_train_start, before the resumed pass began, so a save by a callback listed after it held the stream
+    # at epoch 0, sample 0 (pass_prior NaN): resumed from it, the run trained 12 steps of 18, weights apart
+    def callbacks(*last):
+        return [PulseCycle(**CYCLE), HardSampleReplay(rule="topk", replay_fraction=0.5), *last]
+
+    full_model, full = _fit(callbacks(), checkpoints=tmp_path / "steps")
+    mid_epoch = next((tmp_path / "steps").glob("*step=5.ckpt"))
+    _fit(callbacks(SaveAtTrainStartAndStop(tmp_path / "start.ckpt")), ckpt_path=str(mid_epoch))
+
+    def stream(path):
+        state = torch.load(path, weights_only=False)["callbacks"]
+        saved = next(v for k, v in state.items() if k.startswith("HardSampleReplay"))["stream"]
+        return {k: str(v) if isinstance(v, float) else v for k, v in saved.items()}  # NaN: no prior yet
+
+    assert stream(mid_epoch)["samples"] > 0 and stream(tmp_path / "start.ckpt") == stream(mid_epoch)
+    model, resumed = _fit(callbacks(), ckpt_path=str(tmp_path / "start.ckpt"))
+    assert resumed.global_step == full.global_step
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), full_model.parameters()))
 
 
 def _onecycle_fit(callbacks, ckpt_path=None, checkpoints=None, epochs=4):

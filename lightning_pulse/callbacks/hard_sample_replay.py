@@ -222,7 +222,6 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
         self.data.start_training(steps_per_epoch, log_every, planned, self.mode, manual, _warn)
         self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
         self.batches.start_fit(trainer.world_size)  # carried state: checked over the first two batches
-        self.steps.stream.held = None  # the fit trains: its stream moves on from the restored one
         rank_zero_info(f"HardSampleReplay: {self.config.describe(self.mode, self.phases)}")
 
     # ------------------------------------------------------------------ per batch

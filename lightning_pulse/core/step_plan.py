@@ -656,6 +656,10 @@ class StepSavingStream:
         self._joined_at: tuple[int, int] | None = None  # (epoch, step): see join_at
         self._joined_epoch: int | None = None  # the epoch a plan joined the run at, saved with its state
         self.dropped_pass_rest: tuple[int, int] | None = None  # see _drop_rest_of_pass
+        # the raw samples of the pass under way (None: none began), and a data pass's (samples, batch size,
+        # drop_last): a pass the plan ends short of the data's is saved with its length (_short_pass_state)
+        self.pass_samples: int | None = None
+        self._data_pass: tuple[int, int, bool] | None = None
 
     @property
     def resumed_after_pass(self) -> bool:
@@ -695,6 +699,7 @@ class StepSavingStream:
         batch, as :meth:`cut_pass` drops one; ``keep_total``: the saved total and span stay, even so)."""
         samples_per_epoch, batch_size = int(run["samples_per_epoch"] or 0), int(run["batch_size"] or 1)
         self._plain_pass = _plain_sizes(samples_per_epoch, batch_size, bool(run["drop_last"]))
+        self._data_pass = (samples_per_epoch, batch_size, bool(run["drop_last"]))
         joined = self._resume is None and self._joined_at is not None
         if joined:  # the plain epochs before it trained their every sample
             epoch, step = self._joined_at  # type: ignore[misc]
@@ -703,9 +708,10 @@ class StepSavingStream:
         resume = self._resume
         self.resumed_at_pass_end = False
         self.resumed_after_cut = bool((resume or {}).get("after_cut"))
-        if resume is not None and _pass_ended(
-            resume["samples"], samples_per_epoch, batch_size, run["drop_last"]
-        ):
+        # a pass the plan ended short of the data's (the run's last, or one planned after an epoch cut short
+        # under max_steps) ends at its own length: not a stop inside the epoch
+        pass_samples = samples_per_epoch if resume is None else resume.get("pass_samples", samples_per_epoch)
+        if resume is not None and _pass_ended(resume["samples"], pass_samples, batch_size, run["drop_last"]):
             # saved at an epoch's end: the run resumes at the next epoch's start
             self.resumed_at_pass_end = resume["batches"] > 0  # on the pass's last batch, not after the epoch
             resume.update(epoch=resume["epoch"] + 1, samples=0, batches=0)
@@ -841,7 +847,7 @@ class StepSavingStream:
             setattr(self, name, value)
         assert self._resume is not None
         self.epoch, self.samples, self.batches, self.latest = int(self._resume["epoch"]), 0, 0, 0
-        self.cut_pending = True
+        self.cut_pending, self.pass_samples = True, None
         return plan, kept_total
 
     def sizes_for_pass(
@@ -853,6 +859,7 @@ class StepSavingStream:
         it), whose start step and prior come from the checkpoint."""
         assert self.plan is not None
         skip, done = 0, 0
+        self.held = None  # a pass runs: the stream moves on from the restored state
         self.pass_step, self.pass_prior, self.given_cuts = int(step), float(prior), []
         self.given_cuts_of_ranks = None
         if self._first_pass and self._resume is not None:
@@ -875,6 +882,7 @@ class StepSavingStream:
             remaining = self.plan.total_steps - self.pass_step
             if 0 < remaining * accumulate < len(sizes):
                 sizes = sizes[: remaining * accumulate]
+        self.pass_samples = skip + sum(sizes)
         return skip, sizes, done + len(sizes)
 
     def drawn(self, raw_samples: int) -> None:
@@ -906,8 +914,21 @@ class StepSavingStream:
             | self._joined_state()
             | self._settings_state()
             | self._dropped_state()
+            | self._short_pass_state()
             | ({"after_cut": 1} if self.cut_pending else {})
         )
+
+    def _short_pass_state(self) -> dict[str, int]:
+        """The raw samples of a pass the plan ends short of a pass over the data, so that a resume from its
+        last batch or its epoch's end reads the pass as ended, not as stopped inside the epoch; nothing for a
+        whole pass (its checkpoints are as they were)."""
+        if (
+            self.pass_samples is None
+            or self._data_pass is None
+            or _pass_ended(self.pass_samples, *self._data_pass)
+        ):
+            return {}
+        return {"pass_samples": self.pass_samples}
 
     def _dropped_state(self) -> dict[str, int]:
         """The plain steps over a stopped epoch's dropped rest (``StepPlan.plain_dropped``), so a later resume
@@ -939,7 +960,8 @@ class StepSavingStream:
 
     def restore(self, state: dict[str, Any] | None) -> None:
         """A checkpoint's state (``None``: it holds none): :attr:`held` until a pass runs, so that a fit with
-        nothing left to train saves it again as it came, and loaded for the next plan
+        nothing left to train, or a checkpoint saved at a resumed fit's start (before its first pass: the
+        stream stands at no restored position yet), saves it again as it came, and loaded for the next plan
         (:meth:`load_state_dict`)."""
         self.held = state
         if state is not None:
