@@ -15,8 +15,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import PulseCycle
@@ -692,3 +694,85 @@ def test_a_monitor_mode_against_the_name_is_not_judged_and_float_noise_is_equal(
     assert verdict(a, b, "max") == "equal" and verdict(a, a - 1e-4, "max") == "worse"
     row = {"a": 0.941204, "b": 0.941201, "difference": 0.941201 - 0.941204}
     assert pair_text(row).startswith("0.941201 against 0.941204")  # the precision that tells them apart
+
+
+class _Reward(pl.LightningModule):
+    """A digits classifier whose shared step returns the reward ``-cross_entropy``, ascended
+    (``maximize=True``), and logs it as ``train_loss`` and ``val_loss``, next to ``val_acc``."""
+
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+    def _step(self, batch):
+        return -torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def training_step(self, batch, batch_idx):
+        reward = self._step(batch)
+        self.log("train_loss", reward)
+        return reward
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._step(batch))
+        self.log("val_acc", (self.net(batch[0]).argmax(1) == batch[1]).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, maximize=True)
+
+
+def _fit_reward(root: Path, lr: float, baseline: str | None = None) -> Path:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = torch.tensor(digits.data[:384] / 16, dtype=torch.float32), torch.tensor(digits.target[:384])
+    pl.seed_everything(0, verbose=False)
+    logger = EnergyLogger(
+        cpu="constant",
+        ram="none",
+        meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0),
+        accounting=AccountingConfig(baseline=baseline),
+    )
+    trainer = pl.Trainer(callbacks=[logger], **trainer_kwargs(max_epochs=2, logger=CSVLogger(root)))
+    train, val = TensorDataset(x[:256], y[:256]), TensorDataset(x[256:], y[256:])
+    trainer.fit(_Reward(lr), DataLoader(train, batch_size=32), DataLoader(val, batch_size=64))
+    return Path(trainer.logger.log_dir)
+
+
+def test_a_loss_named_metric_of_a_run_that_ascends_its_objective_is_not_judged_by_its_name(tmp_path, caplog):
+    # held-out: a module ascending the reward -CE logs it as `val_loss`; a run at lr=0, which never learned,
+    # was called better than its baseline in val_loss (-2.329 against -2.253: lower), next to a val_acc of
+    # 0.008 against 0.19
+    plain = _fit_reward(tmp_path / "plain", lr=0.1)
+    with caplog.at_level(logging.INFO):
+        worse = _fit_reward(tmp_path / "worse", lr=0.0, baseline=str(plain))
+    written = report(worse)
+    assert report(plain)["loss_maximized"] is True and written["loss_maximized"] is True
+    rows = {row["metric"]: row for row in written["comparison"]["metrics"]}
+    assert rows["val_loss"]["b"] < rows["val_loss"]["a"] < 0  # the reward, lower: worse
+    assert rows["val_loss"]["better"] is None and rows["val_loss"]["verdict"] is None
+    assert rows["val_loss"]["note"] == (
+        "both runs' optimizers ascend the value the module returns (`maximize=True`), so val_loss may hold "
+        "that reward, better higher, rather than a loss; a monitor's `mode` judges it"
+    )
+    assert rows["val_acc"]["verdict"] == "worse"  # an accuracy is one whichever way the objective goes
+    (line,) = [r.getMessage() for r in caplog.records if "against the baseline" in r.getMessage()]
+    assert "val_loss" not in line and "better than the baseline" not in line
+    assert "(not judged: both runs' optimizers ascend" in comparison_markdown(written["comparison"])
+    # a monitor's mode is the user's word: it judges the metric; a baseline that descended names run B only
+    written["metric_modes"] = {"val_loss": "max"}
+    path = write(tmp_path / "monitored.json", json.dumps(written))
+    row = next(
+        r for r in compare_runs(load_run(plain), load_run(path))["metrics"] if r["metric"] == "val_loss"
+    )
+    assert row["better"] == "max" and row["verdict"] == "worse" and row["note"] is None
+    descended = dict(report(plain), loss_maximized=False)
+    path = write(tmp_path / "descended.json", json.dumps(descended))
+    row = next(
+        r for r in compare_runs(load_run(path), load_run(worse))["metrics"] if r["metric"] == "val_loss"
+    )
+    assert row["verdict"] is None and row["note"].startswith("run B's optimizer ascends the value")
+    # a report edited into another type is refused naming the entry
+    with pytest.raises(ValueError, match=r"`loss_maximized`='yes' is not true or false"):
+        load_run(write(tmp_path / "bad.json", json.dumps(dict(descended, loss_maximized="yes"))))

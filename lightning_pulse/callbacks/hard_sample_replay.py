@@ -68,7 +68,7 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
             infinite DataLoader.
         PulseRefusal: at fit start, under DDP for ranks training different datasets; for a DataLoader whose
             dataset indices cannot be tracked (an ``IterableDataset``, a custom batch sampler), several training
-            DataLoaders, ``ModelParallelStrategy``,
+            DataLoaders, ``ModelParallelStrategy``, parameter groups mixing ``maximize`` (scores read),
             a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), batches too small for ``mode="batch"``
             to cut at ``replay_fraction`` (the smallest that cuts is named), a ``training_step`` compiled with
             ``fullgraph=True`` unless a ``scorer`` is set (rule other than ``'infobatch'``), ``phases``
@@ -221,7 +221,7 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
         planned = compat.total_steps(trainer)  # the run's optimizer steps (inf: unknown)
         self.data.start_training(steps_per_epoch, log_every, planned, self.mode, manual, _warn)
         self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
-        self.batches.start_fit(trainer.world_size)  # carried state: checked over the first two batches
+        self.batches.start_fit(trainer.world_size, trainer.optimizers)  # carried state, loss direction
         rank_zero_info(f"HardSampleReplay: {self.config.describe(self.mode, self.phases)}")
 
     # ------------------------------------------------------------------ per batch

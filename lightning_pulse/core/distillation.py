@@ -7,6 +7,10 @@ the student's forward output in an identity whose backward adds exactly that gra
 the user's loss and everything logged stay as they were; the autograd graph is the one the student's own
 forward built, so DDP, gradient accumulation and mixed precision see an ordinary backward.
 
+Where the optimizers ascend the loss the module returns (torch's ``maximize=True``), they negate every
+gradient, the added one too: the term is then added negated, so that they descend the KL as they would for a
+module descending its loss (:attr:`LogitDistiller.maximized`, read at train start by :class:`DistillWindow`).
+
 Cost: one teacher forward (no grad) per training forward while attached; memory for one teacher copy.
 """
 
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_pulse.core import prune_widths, pruning
+from lightning_pulse.core.loss_direction import maximizes_loss
 from lightning_pulse.errors import PulseRefusal, names_itself
 from lightning_pulse.phase import Phase, PhaseChange
 
@@ -118,6 +123,10 @@ class LogitDistiller:
         weight: multiplier of the distillation term (divide by the gradient-accumulation factor to match a
             loss that Lightning divides by it).
         temperature: softening temperature.
+
+    Attributes:
+        maximized: the optimizers ascend the loss the module returns (torch's ``maximize=True``): the term's
+            gradient is added negated, since they negate it with the rest, so that they descend the KL.
     """
 
     def __init__(
@@ -133,6 +142,7 @@ class LogitDistiller:
         self.mismatched_calls = 0
         self._loss_total = torch.zeros((), dtype=torch.float64)
         self._handle: Any = None
+        self.maximized = False
 
     @property
     def attached(self) -> bool:
@@ -211,7 +221,8 @@ class LogitDistiller:
             self._loss_total.to(output.device)
             + distillation_loss(output.detach(), teacher_output, self.temperature).double()
         )
-        return _AddDistillationGradient.apply(output, teacher_output.detach(), self.weight, self.temperature)
+        weight = -self.weight if self.maximized else self.weight  # see `maximized`
+        return _AddDistillationGradient.apply(output, teacher_output.detach(), weight, self.temperature)
 
 
 def teacher_from_state(
@@ -266,6 +277,15 @@ def _to_saved_dtypes(teacher: nn.Module, tensors: dict[str, Any], device: torch.
             tensor.data = tensor.data.to(device=device, dtype=dtype)
 
 
+#: what parameter groups that mix both directions do to the distillation, and the ways out, for the refusal
+#: (:func:`~lightning_pulse.core.loss_direction.maximizes_loss`)
+_MIXED = (
+    "the term it adds to the logits' gradient would pull the groups that descend the loss toward the model "
+    "before the event and push the groups that ascend it away from it",
+    "or leave `distill` out (pruning itself reads no loss)",
+)
+
+
 class DistillWindow:
     """The distillation window after a pruning event: at most one open at a time, closed after
     ``config.steps`` optimizer steps (see :meth:`step`) or by the caller.
@@ -286,6 +306,16 @@ class DistillWindow:
         # needed; rebuilding it from the cut student fails for widths its shapes do not tell, a depthwise
         # convolution's). Not pickled: a checkpoint holds the teacher's tensors only.
         self._last: tuple[int | None, nn.Module] | None = None
+        self.maximized = False  # the optimizers ascend the loss (read_direction): each window's distiller's
+
+    def read_direction(self, optimizers: Any) -> None:
+        """At train start, before a restored window reopens: whether ``optimizers`` ascend the loss the module
+        returns (torch's ``maximize=True``; :attr:`LogitDistiller.maximized`).
+
+        Raises:
+            PulseRefusal: for parameter groups that mix ``maximize=True`` and ``False``.
+        """
+        self.maximized = maximizes_loss(optimizers, "ScheduledPrune's distillation (`distill`)", *_MIXED)
 
     def open(
         self,
@@ -303,6 +333,7 @@ class DistillWindow:
         distiller = teacher if isinstance(teacher, LogitDistiller) else LogitDistiller(student, teacher)
         distiller.weight = self.config.weight / max(1, accumulation)
         distiller.temperature = self.config.temperature
+        distiller.maximized = self.maximized
         distiller.attach()
         self.distiller, self.event_step = distiller, event_step
         self.steps_left = self.config.steps if steps_left is None else steps_left

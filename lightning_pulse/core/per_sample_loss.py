@@ -650,6 +650,13 @@ class LossCapture:
             the module's own (an initial condition's points held as a buffer) is left out, as a penalty on the
             weights is (:meth:`_rows_of_the_module`); without it, such a call is split into the samples.
 
+    Attributes:
+        maximized: the optimizers ascend the loss the module returns (torch's ``maximize=True``; set by the
+            caller, :func:`~lightning_pulse.core.loss_direction.maximizes_loss`): the captured calls' parts in
+            it (:meth:`per_sample` of several calls) and their coefficients (:meth:`signed_coefficients`) are
+            read negated, as parts of the value they descend. One call's score, its own value, is the same in
+            either direction.
+
     Example::
 
         capture = LossCapture(batch_size=len(y))
@@ -720,6 +727,7 @@ class LossCapture:
         self._entered = False
         self._per_sample: Tensor | None = None
         self._per_sample_count = 0  # how many records `_per_sample` was computed from
+        self.maximized = False
 
     def __enter__(self) -> LossCapture:
         if self._entered:
@@ -869,7 +877,9 @@ class LossCapture:
         has a higher loss than some element pushed down: where only the easiest elements are pushed up (a
         per-sample flooding ``|ce - b|``, ``ce.mean() + ce.std()``, a softmax-weighted ``ce``), ranking by
         the unweighted loss still agrees with the loss that trains; where the signs cross that order
-        (advantages, a variance penalty across groups, a PU loss), ``loss_i`` ranks no hardness."""
+        (advantages, a variance penalty across groups, a PU loss), ``loss_i`` ranks no hardness. Where the
+        optimizers ascend the loss (:attr:`maximized`) the coefficients read are of ``-loss``, which they
+        descend."""
         signed = [
             record
             for record in self.records
@@ -882,12 +892,15 @@ class LossCapture:
         if not signed:
             return None
         device = signed[0].grad.device
-        ranges = torch.stack([_sign_order(r.grad, r.unreduced).to(device) for r in signed]).tolist()
+        # maximized: the step descends -loss, so an element whose coefficient in the loss is negative is
+        # pushed down (the twin that returns -loss and descends it reads the same coefficients)
+        sign, loss = (-1.0, "d(-loss)") if self.maximized else (1.0, "d loss")
+        ranges = torch.stack([_sign_order(sign * r.grad, r.unreduced).to(device) for r in signed]).tolist()
         found = []
         for record, (low, high, hardest_up, easiest_down) in zip(signed, ranges):
             if hardest_up > easiest_down:
                 found.append(
-                    f"{record.name}(reduction='none') (d loss / d its elements from {low:.3g} to {high:.3g}; "
+                    f"{record.name}(reduction='none') ({loss} / d its elements from {low:.3g} to {high:.3g}; "
                     f"an element it pushes up has a loss of {hardest_up:.3g}, one it pushes down "
                     f"{easiest_down:.3g})"
                 )
@@ -910,7 +923,10 @@ class LossCapture:
         step), where that loss was watched (:meth:`watch_loss`); else relative to the largest part (``ce +
         0.1 * mse`` scores ``ce + 0.1 * mse``, but coefficients that change from step to step are off by a
         factor that changes too). ``None`` (an unweighted sum) for one call, or when a part cannot be read.
-        On the device; nothing is synchronised.
+        On the device; nothing is synchronised. Where the optimizers ascend the loss (:attr:`maximized`) each
+        part is of ``-loss``, the value they descend: a module returning ``-(ce + 0.1 * mse)`` to ascend
+        scores ``ce + 0.1 * mse``, as its twin returning ``ce + 0.1 * mse`` to descend does (the parts of
+        the returned value itself ranked the easiest samples highest).
 
         With ``g`` the gradient of the loss with respect to what the caller got, each call stands for its
         per-sample losses (as scored alone) times its weight in the loss, the sum of ``g``: ``g`` for a call
@@ -932,6 +948,8 @@ class LossCapture:
                 return None
             else:
                 sizes.append(grad.sum())
+        if self.maximized:  # each call's part in -loss, the value the optimizers descend: exact, no sync
+            sizes = [-size for size in sizes]
         largest = torch.stack([size.abs() for size in sizes]).max()
         readable = torch.isfinite(largest) & (largest > 0)  # else: an unweighted sum, as before
         # the backward's own scale (AMP's, Lightning's division) taken out: the returned loss's coefficients
@@ -2255,6 +2273,7 @@ class StepLossCaptures:
         self._unread_sites: set[tuple[Any, ...]] = set()  # LossCapture.unread_sites, over the fit's steps
         self._row_sources: dict[tuple[Any, ...], Any] = {}  # LossCapture.row_sources, over the fit's steps
         self._serial = 0
+        self.maximized = False  # each step's LossCapture.maximized: the optimizers ascend the loss
 
     def start(self) -> None:
         """Enter the fit-long scope (once)."""
@@ -2278,6 +2297,7 @@ class StepLossCaptures:
             batch_size=batch_size, sample_weights=sample_weights, offered=offered, batch=batch, module=module
         )
         self._open.unread_sites, self._open.row_sources = self._unread_sites, self._row_sources
+        self._open.maximized = self.maximized
         self._serial += 1
         self._open.serial = self._serial
         self._open.__enter__()

@@ -24,6 +24,7 @@ from lightning_pulse.core.per_sample_loss import losses_not_captured
 from lightning_pulse.core.prune_schedule import PruneSchedule
 from lightning_pulse.core.prune_setup import (
     DISTILL_NO_EFFECT,
+    check_optimizers,
     check_weight_averaging,
     event_cadence,
     exact_names_pattern,
@@ -264,6 +265,15 @@ class PruneEvents:
             texts.insert(0, reopened_warning(self.schedule, reached, bool(self.uses_maintain), total_steps))
         for text in texts:
             self.warn(text)
+
+    def check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """At train start: refuse optimizers the mode cannot run next to
+        (:func:`~lightning_pulse.core.prune_setup.check_optimizers`) and, with distillation, read which way
+        they move the loss (:meth:`DistillWindow.read_direction
+        <lightning_pulse.core.distillation.DistillWindow.read_direction>`; mixed ``maximize`` refused)."""
+        check_optimizers(self.pruner.mode, optimizers)
+        if self.window is not None:
+            self.window.read_direction(optimizers)
 
     def start_training(
         self, model: nn.Module, selection: LayerSelection, step: int, accumulation: int

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pulse.core.carried_state import BURST_FIRST, CarriedStateCheck
+from lightning_pulse.core.loss_direction import loss_directions, maximizes_loss
 from lightning_pulse.core.per_sample_loss import (
     ForwardLossScorer,
     LossCapture,
@@ -94,6 +95,17 @@ _SIGNED_WAYS_OUT = (
     "lightning_pulse.core.per_sample_loss.OutputKeyScorer(key='per_sample_loss') with training_step "
     "returning {'loss': loss, 'per_sample_loss': (ce * advantage).detach()}, or use rule='random', which "
     "reads no score."
+)
+
+#: Why HardSampleReplay cannot score a run whose parameter groups mix ``maximize=True`` and ``False`` from its
+#: captured losses, and the ways out (:func:`~lightning_pulse.core.loss_direction.maximizes_loss`).
+_MIXED_DIRECTIONS = (
+    "a sample's loss says no one thing about how hard it is: a high loss is hard for the groups that descend "
+    "it and easy for those that ascend it"
+)
+_MIXED_WAYS_OUT = (
+    "set `scorer=` to a PerSampleScorer returning each sample's hardness (read as given, the highest the "
+    "hardest), use rule='random', which reads no score, or remove HardSampleReplay from the callbacks"
 )
 
 
@@ -195,6 +207,7 @@ class ReplayBatchLifecycle:
     ) -> None:
         self.mode = mode
         self.scorer = scorer
+        self.rule = rule
         self.captures_losses = scorer is None or rule == "infobatch"
         self.hold = hold
         self.captures = StepLossCaptures()
@@ -256,10 +269,16 @@ class ReplayBatchLifecycle:
         # finished by finish_trained_step (a checkpoint saved before the batch end): the batch end's to log
         self._finished_early: StepInFlight | None = None
 
-    def start_fit(self, world_size: int = 1) -> None:
+    def start_fit(self, world_size: int = 1, optimizers: Sequence[Any] = ()) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope; over
         ``world_size`` ranks, the checks of a fit's first steps that read each rank's own loss are voted
-        on."""
+        on. ``optimizers`` say which way the returned loss goes (:meth:`read_loss_direction`).
+
+        Raises:
+            PulseRefusal: for parameter groups that mix ``maximize=True`` and ``False`` where the captured
+                losses select (no scorer, a rule other than ``'random'``).
+        """
+        self.read_loss_direction(optimizers)
         self.world_size = world_size
         self.state_check = CarriedStateCheck()
         self.recorded_steps = self.unscored_steps = 0
@@ -271,6 +290,20 @@ class ReplayBatchLifecycle:
         self._sign_checks_left = SIGN_CHECKED_STEPS
         if self.captures_losses:
             self.captures.start()
+
+    def read_loss_direction(self, optimizers: Sequence[Any]) -> None:
+        """Read whether ``optimizers`` ascend the loss the module returns (torch's ``maximize=True`` in every
+        parameter group): several captured terms then score each sample by its part in ``-loss``, the value
+        they descend (:attr:`~lightning_pulse.core.per_sample_loss.LossCapture.maximized`); one captured call
+        scores its own value either way, and a scorer's values are read as given. Groups that mix both
+        directions are refused where the captured losses select."""
+        if self.scorer is None and self.rule != "random":
+            self.captures.maximized = maximizes_loss(
+                optimizers, "HardSampleReplay", _MIXED_DIRECTIONS, _MIXED_WAYS_OUT
+            )
+            return
+        ascending, descending = loss_directions(optimizers)
+        self.captures.maximized = bool(ascending) and not descending  # the logged figures' direction only
 
     def start_batch(
         self,

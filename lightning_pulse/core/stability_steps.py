@@ -35,6 +35,7 @@ from lightning_pulse.core.fault_origin import (
     nonfinite_forward_state,
     trace_nonfinite,
 )
+from lightning_pulse.core.loss_direction import maximizes_loss  # the guard's reading, at train start
 from lightning_pulse.core.selection import containers_copied
 from lightning_pulse.core.snapshots import (
     PreStepBuffers,
@@ -95,35 +96,6 @@ def refuse_unconsolidated_optimizers(optimizers: Sequence[Any]) -> None:
                 "optimizer it wraps (e.g. `torch.optim.Adam`) under strategy='ddp', or remove "
                 "StabilityGuard from the callbacks."
             )
-
-
-def maximizes_loss(optimizers: Sequence[Any]) -> bool:
-    """Whether ``optimizers`` ascend the loss the module returns: torch's ``maximize=True`` in every parameter
-    group that holds parameters (an optimizer without the flag descends it). The guard then judges the
-    negated loss, ``-loss``, the value they descend, so a sudden drop of the loss is a spike (read at train
-    start: a resumed optimizer holds its checkpoint's groups by then).
-
-    Raises:
-        PulseRefusal: for groups that mix ``maximize=True`` with ``False``: the loss is ascended by some
-            parameters and descended by others, so a spike of it has no one direction.
-    """
-    several = len(optimizers) > 1
-    flags: dict[bool, list[str]] = {True: [], False: []}
-    for index, optimizer in enumerate(optimizers):
-        for position, group in enumerate(getattr(optimizer, "param_groups", None) or []):
-            if isinstance(group, Mapping) and group.get("params"):
-                which = f"group {position}" + (f" of optimizer {index}" if several else "")
-                flags[bool(group.get("maximize", False))].append(which)
-    if flags[True] and flags[False]:
-        raise PulseRefusal(
-            "StabilityGuard cannot tell which way this run's loss should go: parameter "
-            f"{first_names(flags[True], 4)} ascend it (`maximize=True`) and {first_names(flags[False], 4)} "
-            "descend it, so a loss spike (a rise of a loss descended, a drop of one ascended) has no one "
-            "direction. Give every parameter group the same `maximize` (for an adversarial part, a gradient "
-            "reversal layer lets its group descend the same loss), or remove StabilityGuard from the "
-            "callbacks."
-        )
-    return bool(flags[True])
 
 
 #: how the guard's messages name the value it judges, and what they say of it, where the optimizers maximize

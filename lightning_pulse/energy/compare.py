@@ -22,6 +22,8 @@ from typing import Any, NoReturn
 from lightning_pulse.energy.meter import NONE, PARTIAL
 from lightning_pulse.energy.metric_quality import (
     NONFINITE,
+    ascended_loss_note,
+    loss_maximized,
     metric_direction,
     mode_conflict,
     monitored_modes,
@@ -167,6 +169,8 @@ def _refuse_malformed(report: Mapping[str, Any], where: str) -> None:
     for name, mode in (modes or {}).items():
         if mode not in ("min", "max"):
             refuse(f"metric_modes.{name}", mode, "'min' or 'max'")
+    if not isinstance(report.get("loss_maximized", False), bool):
+        refuse("loss_maximized", report.get("loss_maximized"), "true or false")
     nonfinite = report.get("nonfinite_metrics")
     if nonfinite is not None and not isinstance(nonfinite, Mapping):
         refuse("nonfinite_metrics", nonfinite, "a mapping of metric names to 'nan', 'inf' or '-inf'")
@@ -265,10 +269,12 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     # the energy figures are compared above; EnergyLogger's own logged columns would repeat them
     names = sorted(name for name in set(a["metrics"]) | set(b["metrics"]) if not name.startswith("energy/"))
     modes = a["report"].get("metric_modes"), b["report"].get("metric_modes")
+    ascended = [label for label, run in (("A", a), ("B", b)) if run["report"].get("loss_maximized")]
     metrics = []
     for name in names:
         value_a, value_b = a["metrics"].get(name), b["metrics"].get(name)
-        direction = metric_direction(name, *modes)
+        direction = metric_direction(name, *modes, ascended=ascended)
+        note = mode_conflict(name, *modes, ascended=ascended) or ascended_loss_note(name, ascended, *modes)
         metrics.append(
             {
                 "metric": name,
@@ -278,7 +284,7 @@ def compare_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
                 "difference": signed_difference(value_a, value_b),
                 "better": direction,
                 "verdict": verdict(value_a, value_b, direction),
-                "note": mode_conflict(name, *modes),
+                "note": note,
             }
         )
     return {
@@ -419,13 +425,16 @@ def _scalars(metrics: Mapping[str, Any]) -> list[tuple[str, float]]:
 
 def final_metric_fields(trainer: Any) -> dict[str, Any]:
     """What EnergyLogger records of the Trainer's results in its report: ``metrics``, the final
-    ``callback_metrics`` (:func:`scalar_metrics`), and ``metric_modes``, the ``mode`` of each metric a
+    ``callback_metrics`` (:func:`scalar_metrics`), ``metric_modes``, the ``mode`` of each metric a
     ``ModelCheckpoint`` or ``EarlyStopping`` monitors (:func:`monitored_modes`), which says which way it is
-    better in a comparison."""
+    better in a comparison, and ``loss_maximized``, whether an optimizer ascends the value the module returns
+    (:func:`~lightning_pulse.energy.metric_quality.loss_maximized`), which a metric named as a loss then may
+    hold."""
     return {
         "metrics": scalar_metrics(trainer.callback_metrics),
         "nonfinite_metrics": nonfinite_metrics(trainer.callback_metrics),
         "metric_modes": monitored_modes(trainer),
+        "loss_maximized": loss_maximized(trainer),
     }
 
 

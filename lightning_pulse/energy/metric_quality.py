@@ -11,7 +11,10 @@ an error or a perplexity is better lower, an accuracy, an F1 or an AUROC higher 
 (``loss``, ``train_loss``, ``training_loss``, ``trn_loss``: measured on the batches the run trained, which a
 run that selects hard samples picks to be the hardest), a name of both kinds or with a word that turns its
 direction (``val_loss_gap``, ``val_acc_std``), and this library's own metrics (``pulse/``,
-``hard_sample_replay/``, ...: how a run was trained, not its result). A value that is not finite (a run that
+``hard_sample_replay/``, ...: how a run was trained, not its result). Nor is a metric named as better lower
+(``val_loss``) of a run whose optimizer ascends the value its module returns (torch's ``maximize=True``,
+recorded as ``loss_maximized``): a module that logs its objective as ``val_loss`` logs a reward there
+(:func:`ascended_loss_note`); a monitor's ``mode`` still judges it. A value that is not finite (a run that
 diverged: ``nan``) is worse than a finite one in a metric with a direction. Two values within
 :data:`RELATIVE_TOLERANCE` of each other are equal (float noise).
 """
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from lightning_pulse.core.loss_direction import loss_directions
 
 #: name parts of metrics that are better lower
 LOWER_BETTER = frozenset(
@@ -73,15 +78,43 @@ def monitored_modes(trainer: Any) -> dict[str, str]:
     return {name: mode for name, mode in sorted(modes.items()) if name not in clashing}
 
 
-def metric_direction(name: str, *modes: Mapping[str, Any] | None) -> str | None:
+def loss_maximized(trainer: Any) -> bool:
+    """Whether an optimizer of ``trainer`` ascends the value the module returns in a parameter group (torch's
+    ``maximize=True``): its logged objective may be a reward, whatever it is named
+    (:func:`ascended_loss_note`)."""
+    ascending, _ = loss_directions(list(getattr(trainer, "optimizers", None) or []))
+    return bool(ascending)
+
+
+def ascended_loss_note(name: str, ascended: Sequence[str], *modes: Mapping[str, Any] | None) -> str | None:
+    """Why the metric ``name``, which its name says is better lower (``val_loss``), is not judged where runs
+    ``ascended`` (``["B"]``: their reports' ``loss_maximized``) ascend the value their module returns: a
+    module logging its objective as ``val_loss`` logs a reward there (a run that never learned read as
+    better than its baseline). ``None`` where no run ascended, a monitor gives the metric a ``mode`` (the
+    user's word), or the name gives no lower-is-better direction."""
+    given = {mode.get(name) for mode in modes if isinstance(mode, Mapping)} - {None}
+    if not ascended or given or metric_direction(name) != "min":
+        return None
+    runs = f"run {ascended[0]}'s optimizer ascends" if len(ascended) == 1 else "both runs' optimizers ascend"
+    return (
+        f"{runs} the value the module returns (`maximize=True`), so {name} may hold that reward, better "
+        "higher, rather than a loss; a monitor's `mode` judges it"
+    )
+
+
+def metric_direction(name: str, *modes: Mapping[str, Any] | None, ascended: Sequence[str] = ()) -> str | None:
     """``"min"`` (better lower), ``"max"`` (better higher) or ``None`` (not judged) for the metric ``name``:
     the ``mode`` the runs' monitors gave it (``modes``: each run's ``metric_modes``; runs that disagree, or a
-    mode against the name's direction, give ``None``), else from its name (see the module's docstring)."""
+    mode against the name's direction, give ``None``), else from its name (see the module's docstring).
+    ``ascended``: the runs (``"A"``, ``"B"``) whose optimizer ascends the value their module returns
+    (:func:`ascended_loss_note`)."""
     given = {mode.get(name) for mode in modes if isinstance(mode, Mapping)} - {None}
     if given:
-        if len(given) != 1 or not given <= {"min", "max"} or mode_conflict(name, *modes):
+        if len(given) != 1 or not given <= {"min", "max"} or mode_conflict(name, *modes, ascended=ascended):
             return None
         return next(iter(given))
+    if ascended_loss_note(name, ascended, *modes) is not None:
+        return None
     if name.startswith(OWN_NAMESPACES):
         return None
     parts = _parts(name)
@@ -90,13 +123,16 @@ def metric_direction(name: str, *modes: Mapping[str, Any] | None) -> str | None:
     return _name_direction(parts)
 
 
-def mode_conflict(name: str, *modes: Mapping[str, Any] | None) -> str | None:
+def mode_conflict(name: str, *modes: Mapping[str, Any] | None, ascended: Sequence[str] = ()) -> str | None:
     """``"the monitor says min, the name says max"`` when the runs' monitors agree on a mode for ``name`` that
     its name contradicts (``ModelCheckpoint(monitor="val_acc")`` keeps Lightning's default ``mode="min"``),
-    else ``None``."""
+    else ``None``. Not ``"max"`` for a name better lower where runs ``ascended`` their objective
+    (:func:`ascended_loss_note`): a reward logged as ``val_loss`` is better higher."""
     given = {mode.get(name) for mode in modes if isinstance(mode, Mapping)} - {None}
     by_name = _name_direction(_parts(name))
     if len(given) != 1 or by_name is None or given == {by_name}:
+        return None
+    if ascended and by_name == "min" and given == {"max"}:
         return None
     return f"the monitor says {next(iter(given))}, the name says {by_name}"
 
