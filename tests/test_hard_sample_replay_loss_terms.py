@@ -600,6 +600,10 @@ def test_a_loss_training_step_also_differentiates_with_autograd_grad_counts_once
 POINTS = 16  # a batch of collocation points; the initial condition's fixed points number POINTS or 2 * POINTS
 
 
+def _squared_error(prediction: Tensor, target: Tensor) -> Tensor:
+    return F.mse_loss(prediction, target)
+
+
 class _HeatPINN(pl.LightningModule):
     """A PINN for ``u_t = 0.1 u_xx``: collocation points from the DataLoader (no labels), made ready for their
     derivatives as PINN code does (``x.clone().requires_grad_(True)``, which cuts autograd's link to the batch
@@ -626,7 +630,12 @@ class _HeatPINN(pl.LightningModule):
         points, indices = batch
         residual = self.residual(points)
         self.expected.update(zip(indices.tolist(), residual.detach().squeeze(1).pow(2).tolist()))
-        pde = F.mse_loss(residual, torch.zeros_like(residual))
+        zeros, ic, u0 = torch.zeros_like(residual), self.ic_points, self.ic_values
+        if self.form == "one-line":  # two loss calls at one line of code
+            return F.mse_loss(residual, zeros) + F.mse_loss(self.net(ic), u0)
+        if self.form == "helper":  # one loss call, at the helper's line, for both terms
+            return _squared_error(residual, zeros) + _squared_error(self.net(ic), u0)
+        pde = F.mse_loss(residual, zeros)
         if self.form == "buffer":
             initial = F.mse_loss(self.net(self.ic_points), self.ic_values)
         else:  # a Neumann-style condition: the fixed points made ready for a derivative, the target computed
@@ -656,6 +665,27 @@ def test_a_term_on_the_modules_own_points_is_left_out_and_each_point_scores_its_
     trainer = pl.Trainer(**trainer_kwargs(max_steps=4, callbacks=[replay], default_root_dir=tmp_path))
     trainer.fit(module, DataLoader(TensorDataset(points, torch.arange(4 * POINTS)), batch_size=POINTS))
     assert replay.batches.unscored_steps == 0 and len(module.expected) == 4 * POINTS
+    indices = sorted(module.expected)
+    scores = torch.as_tensor(replay.table.scores[indices], dtype=torch.float64)
+    expected = torch.tensor([module.expected[index] for index in indices], dtype=torch.float64)
+    assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("initial_points", [4, 8], ids=["4-points", "8-points"])
+@pytest.mark.parametrize("form", ["one-line", "helper"])
+def test_a_term_on_the_modules_own_points_is_left_out_at_a_batch_of_their_count_when_both_terms_share_a_line(
+    form, initial_points, tmp_path
+):
+    # held-out sweep: with the residual and the initial condition on one line, the line's verdict from the full
+    # batches ("the batch's": the 4 points' term never reached the check there) was reused at the trailing batch
+    # of 4 rows, and the points' errors were added to its 4 scores (up to 4000x their own residuals); with 8
+    # points that step went unscored, and replay's batches of 8 in the next epoch were split the same way
+    module = _HeatPINN(initial_points, form)
+    points = torch.rand(4 * POINTS + 4, 2, generator=torch.Generator().manual_seed(0))
+    replay = HardSampleReplay(mode="batch")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=10, callbacks=[replay], default_root_dir=tmp_path))
+    trainer.fit(module, DataLoader(TensorDataset(points, torch.arange(len(points))), batch_size=POINTS))
+    assert replay.batches.unscored_steps == 0 and len(module.expected) == len(points)
     indices = sorted(module.expected)
     scores = torch.as_tensor(replay.table.scores[indices], dtype=torch.float64)
     expected = torch.tensor([module.expected[index] for index in indices], dtype=torch.float64)

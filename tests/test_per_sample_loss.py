@@ -1170,6 +1170,20 @@ def test_a_term_of_b_rows_on_the_modules_own_tensors_is_left_out_one_on_the_batc
     assert capture.records[0].maps_onto_batch
 
 
+def test_two_loss_calls_on_one_line_are_judged_apart_when_the_points_term_first_comes_in_a_later_step():
+    # held-out sweep: a verdict is kept per call site over a fit, and the two calls of `mse(residual) +
+    # mse(net(fixed))` shared their line's: the residual's ("the batch's", from a step without the points'
+    # term) was reused for the points' term, which was split over the samples
+    module, x, sources = _PointsNet(), torch.rand(8, 2), {}
+    net, fixed, values, zeros = module.net, module.fixed, module.values, torch.zeros(8, 1)
+    for serial, with_points in ((1, False), (2, True), (3, True)):
+        with LossCapture(batch_size=8, batch=(x,), module=module) as capture:
+            capture.row_sources, capture.serial = sources, serial
+            _ = F.mse_loss(_slope(net, x), zeros) + (F.mse_loss(net(fixed), values) if with_points else 0)
+        expected = [True, False] if with_points else [True]
+        assert [record.maps_onto_batch for record in capture.records] == expected
+
+
 def test_a_call_site_that_computes_a_batch_term_and_a_term_on_the_modules_points_is_judged_call_by_call():
     module, x = _PointsNet(), torch.rand(8, 2)
     sources: dict = {}

@@ -711,8 +711,9 @@ class LossCapture:
         self._batch_leaves = [leaf for leaf in leaves if leaf.numel()] if module is not None else []
         self._known: tuple[_NamedTensors, _NamedTensors] | None = None
         # per call site, what its rows were found to read, over a fit (StepLossCaptures shares it): a set of
-        # verdicts (the module tensors' names, or None for "the batch's") and the capture that first found one
-        self.row_sources: dict[tuple[Any, ...], tuple[set[str | None], int]] = {}
+        # verdicts (the module tensors' names, or None for "the batch's") and, per row count walked, the capture
+        # that first walked it
+        self.row_sources: dict[tuple[Any, ...], tuple[set[str | None], dict[int, int]]] = {}
         self.serial = 0  # which step's capture this is (StepLossCaptures counts them)
         # call sites whose graph was walked and read no batch tensor of their rows' count: not walked again
         # (a walk that finds nothing walks the whole graph, ms per call);
@@ -1321,24 +1322,28 @@ class LossCapture:
         residual term stays the samples'. The module's tensors are matched by storage, or by value for a copy
         (autocast's cast of a buffer, ``self.ic.clone().requires_grad_()``). Any argument of the call that is a
         batch tensor (the labels) makes it the batch's at once; otherwise the graph is walked, at most
-        :data:`BATCH_SEARCH_NODES` nodes (beyond: the batch's), once per call site over a fit where the site
-        gave one answer in an earlier step (a loop or a helper that computes both a batch term and a buffer's
-        at one line is walked every time)."""
+        :data:`BATCH_SEARCH_NODES` nodes (beyond: the batch's), once per call site (each call of a line its
+        own) and row count over a fit where the site gave one answer (a loop or a helper that computes both a
+        batch term and a buffer's is walked every time once both were seen)."""
         if self._module is None or not rows:
             return None
         if any(isinstance(value, Tensor) and self._is_batch_tensor(value) for value in arguments.values()):
             return None
-        site = (record.name, _call_site(), record.shape[1:])
+        # a verdict holds for the row counts walked at the site in an earlier step only: a helper's one site
+        # computes a residual of B rows at every step, and the fixed points' term only at a batch of as many rows
+        # (a trailing batch, a replay's smaller one), which the residual's verdict ("the batch's") did not see
+        site, count = (record.name, _call_site(), record.shape[1:]), record.shape[0]
         found = self.row_sources.get(site)
-        if found is not None and len(found[0]) == 1 and found[1] != self.serial:
+        if found is not None and len(found[0]) == 1 and found[1].get(count, self.serial) != self.serial:
             return next(iter(found[0]))
         if self._known is None:
             batch = _NamedTensors([("batch", leaf) for leaf in self._batch_leaves])
             self._known = (batch, _NamedTensors(_module_tensors(self._module)))
         owned = _read_only(list(rows.values()), *self._known, BATCH_SEARCH_NODES)
         if found is None:
-            found = self.row_sources[site] = (set(), self.serial)
+            found = self.row_sources[site] = (set(), {})
         found[0].add(owned)
+        found[1].setdefault(count, self.serial)
         return owned
 
     def _joins_per_sample_items(self, target: Any, count: int) -> bool:
@@ -1744,15 +1749,16 @@ def _row_counts(tensor: Tensor) -> frozenset[int]:
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-def _call_site() -> tuple[str, int]:
-    """File and line of the loss call in the caller's code: the first frame outside this module and torch
-    (``nn.CrossEntropyLoss`` calls the functional form from torch)."""
+def _call_site() -> tuple[str, int, int]:
+    """File, line and bytecode offset of the loss call in the caller's code: the first frame outside this
+    module and torch (``nn.CrossEntropyLoss`` calls the functional form from torch). The offset tells two calls
+    on one line apart (``F.mse_loss(r, 0) + F.mse_loss(net(ic), u0)``); a loop or a helper stays one site."""
     frame = sys._getframe(1)
     while frame is not None and (
         frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_TORCH_DIR)
     ):
         frame = frame.f_back
-    return ("", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+    return ("", 0, 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_lasti)
 
 
 def _storage_key(tensor: Tensor) -> int:
