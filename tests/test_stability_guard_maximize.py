@@ -206,3 +206,22 @@ def test_a_positive_reward_on_the_log_scale_is_said_unjudged_as_minus_loss_with_
     with caplog.at_level(logging.INFO):
         _fit(tmp_path / "linear", Objective(True, reward="probability"), linear, max_steps=6, poisoned=())
     assert re.search(r"medians of the last 20 at most: -loss -0\.\d+, grad norm", _lines(caplog)[-1])
+
+
+def test_two_optimizers_each_one_way_read_the_returned_loss_as_it_is_and_frozen_groups_do_not_count():
+    # a review: a GAN's players (one descending a cross-entropy, one ascending a reward), each an optimizer of
+    # its own under manual optimization, were refused as "mixed"; so was a frozen group's flag
+    from lightning_pulse.core.loss_direction import maximizes_loss
+
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    players = [
+        torch.optim.SGD(first.parameters(), lr=0.1),
+        torch.optim.SGD(second.parameters(), lr=0.1, maximize=True),
+    ]
+    assert maximizes_loss(players) is False
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    groups = [{"params": frozen.parameters(), "maximize": True}, {"params": first.parameters()}]
+    assert maximizes_loss([torch.optim.SGD(groups, lr=0.1)]) is False
+    with pytest.raises(PulseRefusal, match="ascend it"):
+        mixed = [{"params": second.parameters(), "maximize": True}, {"params": first.parameters()}]
+        maximizes_loss([torch.optim.SGD(mixed, lr=0.1)])

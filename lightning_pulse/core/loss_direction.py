@@ -30,7 +30,10 @@ def loss_directions(optimizers: Sequence[Any]) -> tuple[list[str], list[str]]:
     found: dict[bool, list[str]] = {True: [], False: []}
     for index, optimizer in enumerate(optimizers):
         for position, group in enumerate(getattr(optimizer, "param_groups", None) or []):
-            if isinstance(group, Mapping) and group.get("params"):
+            # a frozen group (no parameter needs a gradient) moves nothing either way
+            if isinstance(group, Mapping) and any(
+                getattr(p, "requires_grad", True) for p in group.get("params", ())
+            ):
                 which = f"group {position}" + (f" of optimizer {index}" if several else "")
                 found[bool(group.get("maximize", False))].append(which)
     return found[True], found[False]
@@ -43,14 +46,23 @@ def maximizes_loss(
     ways_out: str = LEAVE_OUT_GUARD,
 ) -> bool:
     """Whether ``optimizers`` ascend the loss the module returns: torch's ``maximize=True`` in every parameter
-    group that holds parameters (:func:`loss_directions`). ``who`` then reads the negated loss, the value they
-    descend.
+    group that holds trainable parameters (:func:`loss_directions`). ``who`` then reads the negated loss, the
+    value they descend. Several optimizers (manual optimization) each of one direction, not all the same, each
+    step a loss of their own: the returned loss is then read as it is (``False``).
 
     Raises:
-        PulseRefusal: for groups that mix ``maximize=True`` with ``False``: the loss is ascended by some
-            parameters and descended by others. The message names ``who``, the groups, the ``consequence``
+        PulseRefusal: for groups that mix ``maximize=True`` with ``False`` within one optimizer (or with one
+            optimizer): the loss is ascended by some parameters and descended by others. The message names ``who``, the groups, the ``consequence``
             for ``who`` and its ``ways_out``.
     """
+    directions = [loss_directions([optimizer]) for optimizer in optimizers]
+    if len(directions) > 1 and not any(up and down for up, down in directions):
+        # several optimizers (manual optimization), each one way: each steps a loss of its own (a GAN's players,
+        # one descending a cross-entropy, one ascending a reward), so no one direction is the returned loss's;
+        # it is read as the module returns it, as before the direction was read (a review)
+        ups = [bool(up) for up, _ in directions if up or _]
+        if len(set(ups)) > 1:
+            return False
     ascending, descending = loss_directions(optimizers)
     if ascending and descending:
         raise PulseRefusal(
