@@ -1030,6 +1030,8 @@ def stop_this_fit(trainer: pl.Trainer) -> tuple[int | None, int | None]:
     """Stop the fit at the next check of its loops, even where ``Trainer(min_epochs/min_steps)`` are not met
     (they would overrule ``should_stop``: :func:`stop_takes_effect`): lifted for this fit. They come from the
     Trainer's arguments, not from a checkpoint, so a fit resumed with the same arguments honours them again.
+    A stop asked before (``should_stop`` the minimums held back) is no longer told apart, and no checkpoint
+    keeps it: a caller that saves one first records it (GreenWindow's suspend: ``SuspendSave.ask_stop_again``).
     Returns the ``(min_epochs, min_steps)`` lifted, for :func:`restore_loop_minimums` at the fit's end."""
     loop = trainer.fit_loop
     lifted = (loop.min_epochs, loop.epoch_loop.min_steps)

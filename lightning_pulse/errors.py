@@ -2,8 +2,8 @@
 that several callbacks share: pytorch_lightning's Trainer, sharded strategies, Tuner searches, one training
 run per instance, one instance per checkpoint key (a user's subclass keeps its lightning-pulse class's key),
 states loaded by validate, test or predict, parameters a lazy module has not created yet, a plain check's
-``ValueError`` as a refusal, and the argument checks (a callback's name first in its errors, numpy numbers
-as Python's, nested configs given as mappings)."""
+``ValueError`` as a refusal, a refusal rank 0 alone meets as a value it shares, and the argument checks (a
+callback's name first in its errors, numpy numbers as Python's, nested configs given as mappings)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,17 @@ def refusing(callback: str) -> Iterator[None]:
         yield
     except ValueError as error:
         raise PulseRefusal(f"{callback}: {error}") from None
+
+
+def result_or_refusal(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, or the :class:`PulseRefusal` it raised, returned: for what rank 0 alone computes and
+    broadcasts, so that the caller raises the refusal on every rank after the broadcast. Raised on rank 0
+    before it, it left the other ranks waiting there (gloo ends them with "Connection closed by peer", NCCL
+    at the process group's timeout)."""
+    try:
+        return call(*args)
+    except PulseRefusal as refusal:
+        return refusal
 
 
 def names_itself(init: Callable[..., None]) -> Callable[..., None]:

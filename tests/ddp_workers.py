@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -85,6 +86,11 @@ class SleepDump(Callback):
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
 
 
+def unreadable_signal() -> tuple[float, float]:
+    """A live GreenWindow signal whose every reading fails, as a grid API that is down does."""
+    raise ConnectionError("the grid API is down")
+
+
 class _PreloadedSpawnLauncher(_MultiProcessingLauncher):
     """Lightning's ``ddp_spawn`` launcher with each rank forked from a fork server that imported torch,
     Lightning and this package once (:mod:`tests.forkserver_preload`), instead of a fresh interpreter that
@@ -143,3 +149,38 @@ def _start_fork_server() -> None:
             os.environ.pop("OPENBLAS_NUM_THREADS")
         else:
             os.environ["OPENBLAS_NUM_THREADS"] = saved
+
+
+class _ErrorRecordingLauncher(_PreloadedSpawnLauncher):
+    """Writes what a rank raised to ``<directory>/rank<r>-raised.json`` (``[type name, message]``): a spawned
+    rank calls no ``on_exception`` (the launching process does, with the error of the rank that failed
+    first). A rank that raised waits for the other ranks' files (at most ``wait_s``) before it exits, since
+    the launching process terminates the other ranks once one has exited with an error."""
+
+    def __init__(self, strategy, directory: str, wait_s: float) -> None:
+        super().__init__(strategy, start_method="forkserver")
+        self.directory, self.wait_s = directory, wait_s
+
+    def _wrapping_function(self, process_idx, trainer, *args, **kwargs):
+        try:
+            super()._wrapping_function(process_idx, trainer, *args, **kwargs)
+        except BaseException as error:
+            raised = [type(error).__name__, str(error)]
+            Path(self.directory, f"rank{process_idx}-raised.json").write_text(json.dumps(raised))
+            files = [Path(self.directory, f"rank{rank}-raised.json") for rank in range(trainer.world_size)]
+            deadline = time.monotonic() + self.wait_s
+            while not all(map(Path.is_file, files)) and time.monotonic() < deadline:
+                time.sleep(0.05)  # for the other processes' files, not for a span of time
+            raise
+
+
+class TwoGlooProcessesRecordingErrors(TwoGlooProcesses):
+    """:class:`TwoGlooProcesses` whose ranks each write what they raised to ``<directory>/rank<r>-raised.json``
+    (see :class:`_ErrorRecordingLauncher`)."""
+
+    def __init__(self, directory: str, wait_s: float = 60.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.errors_to = (directory, wait_s)
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _ErrorRecordingLauncher(self, *self.errors_to)

@@ -350,6 +350,45 @@ def test_a_suspend_stops_the_fit_under_trainer_minimums_and_the_resumed_fits_kee
     assert trainer.global_step == 60 and green.report["status"] == "complete"
 
 
+def test_a_stop_the_trainer_minimum_held_back_is_asked_again_in_the_fit_resumed_from_a_suspend(
+    mnist1d_small, tmp_path
+):
+    # held-out DDP sweep (pass 42): EarlyStopping asks to stop at every epoch end, and min_steps=22 holds the
+    # stop asked at step 12 back until mid-epoch 1 (12 batches an epoch), where the uninterrupted run ends. The
+    # suspend at step 19, inside that epoch before the minimum, left the stop out of its checkpoint (Lightning
+    # keeps no should_stop): the resumed fit trained on to the epoch's end, 24 steps for 22, "complete"
+    clock, checkpoints = SimulatedClock("2020-06-15 06:00:00"), tmp_path / "ckpt"
+
+    def attempt(green, ckpt_path=None):
+        stop = EarlyStopping("train_loss", stopping_threshold=1e3, check_on_train_epoch_end=True)
+        callbacks = [
+            *([] if green is None else [green]),
+            stop,
+            ModelCheckpoint(dirpath=checkpoints, save_top_k=0),
+        ]
+        kwargs = dict(enable_checkpointing=True, default_root_dir=tmp_path, min_steps=22)
+        trainer = fit(callbacks, clock, steps=144, **kwargs)
+        trainer.fit(*mnist1d_small(arch="mlp"), ckpt_path=ckpt_path)
+        return trainer
+
+    assert attempt(None).global_step == 22  # the uninterrupted run
+    clock = SimulatedClock("2020-06-15 06:00:00")
+
+    def green():
+        return GreenWindow(
+            signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock, options={"watts": 250.0}
+        )
+
+    trainer, suspends = attempt(window := green()), []
+    while window.suspended is not None and len(suspends) < 20:
+        suspends.append(trainer.global_step)
+        assert run_wait_for_window([str(checkpoints)], clock=clock) == 0
+        trainer = attempt(window := green(), "last")
+    print(f"suspended at steps {suspends}; chain ended at {trainer.global_step}")
+    assert suspends[-1] == 19  # inside epoch 1, before the minimum: the stop asked at 12 was pending
+    assert trainer.global_step == 22 and window.report["status"] == "complete"
+
+
 def test_the_resume_command_resumes_where_the_logger_starts_a_new_version_folder(mnist1d_small, tmp_path):
     # held-out sweep: the documented `--ckpt_path last` looked in the second run's new version folder
     # (version_1), found nothing and trained from step 0 again

@@ -15,7 +15,13 @@ from lightning_pulse.callbacks.green_window import SUSPEND_CHECKPOINT
 from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
 from lightning_pulse.energy.carbon import parse_timestamp
 from tests.conftest import trainer_kwargs
-from tests.ddp_workers import RankOffsetClock, SleepDump, TwoGlooProcesses
+from tests.ddp_workers import (
+    RankOffsetClock,
+    SleepDump,
+    TwoGlooProcesses,
+    TwoGlooProcessesRecordingErrors,
+    unreadable_signal,
+)
 
 DE_JUNE = str(
     Path(__file__).resolve().parents[1] / "examples" / "data" / "carbon" / "de_2020_june_excerpt.csv"
@@ -86,3 +92,25 @@ def test_ranks_suspend_together_with_the_pulse_cycle_listed_after_at_the_saved_s
     saved = torch.load(tmp_path / SUSPEND_CHECKPOINT, weights_only=False)
     assert 0 < saved["global_step"] < 48
     assert saved["callbacks"]["PulseCycle"]["clock"]["step"] == saved["global_step"]
+
+
+@pytest.mark.ddp
+def test_a_live_signal_whose_first_reading_fails_is_refused_on_every_rank(mnist1d_small, tmp_path):
+    # held-out DDP sweep (pass 42): rank 0 alone reads a live signal, and it refused the failed first reading
+    # before the decision's broadcast; rank 1, waiting in that broadcast, died with gloo's "Connection closed
+    # by peer" (NCCL, or ranks Lightning did not launch: it waited until the process group's timeout)
+    model, data = mnist1d_small(arch="mlp")
+    options = {"watts": 100.0, "report_dir": str(tmp_path)}
+    clock = SimulatedClock("2020-06-15 06:00:00")
+    green = GreenWindow(
+        unreadable_signal, when_dirty="pause", expected_duration="2h", clock=clock, options=options
+    )
+    strategy = TwoGlooProcessesRecordingErrors(str(tmp_path))
+    kwargs = trainer_kwargs(devices=2, strategy=strategy, default_root_dir=str(tmp_path))
+    callbacks = [SimulatedStepTime(clock, 600.0), green]
+    trainer = pl.Trainer(callbacks=callbacks, max_steps=12, limit_val_batches=0, **kwargs)
+    with pytest.raises(Exception, match="That was its first reading"):
+        trainer.fit(model, data)
+    raised = [json.loads((tmp_path / f"rank{rank}-raised.json").read_text()) for rank in (0, 1)]
+    assert raised[0][0] == "PulseRefusal" and "the grid API is down" in raised[0][1]
+    assert raised[1] == raised[0]  # the same refusal on rank 1, not the broadcast's connection error

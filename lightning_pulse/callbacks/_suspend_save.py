@@ -66,14 +66,28 @@ class SuspendSave(Callback):
         schedule: Any,
         energy: Any,
         files: list[str],
+        record: dict[str, Any],
     ) -> None:
         """Suspend once every callback's part of the hook now running is done (``now``, ``resume_at``: the
         clock's times for the resume file; ``energy``: the EnergyLogger whose later energy is carried).
         ``files``, GreenWindow's list of the run's resume files (in its state, so in the checkpoint), gets
-        this suspend's now, last; the earlier ones, in other folders, get its record too."""
+        this suspend's now, last; the earlier ones, in other folders, get its record too. ``record``, the
+        suspend's in GreenWindow's state, gets ``stop_asked`` where a stop was asked by the save
+        (:meth:`ask_stop_again`)."""
         file = str(_folder(trainer) / RESUME_FILE)
         files[:] = [*(earlier := [other for other in files if other != file]), file]
-        self._due = (decision, now, resume_at, schedule, energy, earlier)
+        self._due = (decision, now, resume_at, schedule, energy, earlier, record)
+
+    @staticmethod
+    def ask_stop_again(trainer: pl.Trainer, suspended: dict[str, Any] | None) -> None:
+        """At the train start of a fit resumed from a suspend (``suspended``: its record), a stop asked before
+        it is asked again: an EarlyStopping's at an epoch end that ``Trainer(min_epochs/min_steps)`` held
+        back. Lightning keeps no ``should_stop`` in a checkpoint, and the suspend's own stop hid it; the
+        resumed fit trained on to the epoch's end, past where the uninterrupted run stopped (26 steps for 22).
+        Lightning acts on it as in that run: once the minimums are met, at once where they are."""
+        if suspended is not None and suspended.get("stop_asked"):
+            trainer.should_stop = True
+            rank_zero_info("GreenWindow: the stop asked before the suspend is asked again.")
 
     def run_ended(self, trainer: pl.Trainer, status: str, files: list[str], now: float) -> None:
         """At train end (``now`` on the clock itself): a complete run marks its resume files (``files``, and
@@ -98,7 +112,9 @@ class SuspendSave(Callback):
     def _save_due(self, trainer: pl.Trainer) -> None:
         if self._due is None:
             return
-        (decision, now, resume_at, schedule, energy, earlier), self._due = self._due, None
+        (decision, now, resume_at, schedule, energy, earlier, record), self._due = self._due, None
+        if trainer.should_stop:  # asked before; stop_this_fit sets it anyway (see ask_stop_again)
+            record["stop_asked"] = True
         folder = _folder(trainer)
         trainer.save_checkpoint(path := folder / SUSPEND_CHECKPOINT)
         if energy is not None:  # its energy after this (Lightning validates after a stop) is carried

@@ -207,6 +207,7 @@ class GreenWindow(compat.PulseStateKey, Callback):
             rank_zero_warn(line)
         for line in tell:
             rank_zero_info(line)
+        self._suspend_save.ask_stop_again(trainer, self.suspended)  # before a decision that may suspend again
         self._open, self.suspended, self._last_step = None, None, trainer.global_step
         if trainer.fast_dev_run:  # a smoke test: `_check` takes no decision, so its batches run
             rank_zero_info(FAST_DEV_RUN_LINE)
@@ -287,14 +288,13 @@ class GreenWindow(compat.PulseStateKey, Callback):
                 now = self.run_clock.time()
                 if now >= self._next_check:
                     self.segment.close(now, self._kwh)  # the compute since the last mark: a segment
-                    decision = self._decide(trainer, now)
+                    decision = errors.result_or_refusal(self._decide, trainer, now)
                 while self.schedule.news:  # a deadline out of reach or in reach again, a clock step
                     rank_zero_warn(self.schedule.news.pop(0))
             if trainer.world_size > 1:
-                shared = compat.broadcast_held(
-                    trainer.strategy, None if decision is None else decision.to_dict(), self._held
-                )
-                decision = None if shared is None else Decision.from_dict(shared)
+                decision = compat.broadcast_held(trainer.strategy, decision, self._held)
+            if isinstance(decision, PulseRefusal):  # a failed first live reading: raised on every rank alike
+                raise decision
             if decision is None or not self._act(trainer, pl_module, decision):
                 return
 
@@ -327,9 +327,9 @@ class GreenWindow(compat.PulseStateKey, Callback):
             self._next_check = -math.inf if stopped is None else self._next_check
             return stopped is None
         # the checkpoint keeps the run's times; the resume file, the clock's (see RunClock.suspension)
-        self.suspended, now, resume_at = self.run_clock.suspension(self.run_clock.time(), decision)
-        energy, files = self._energy, self.resume_files  # due() adds this suspend's file to the state
-        self._suspend_save.due(trainer, decision, now, resume_at, self.schedule, energy, files)
+        record, now, resume_at = self.run_clock.suspension(self.run_clock.time(), decision)
+        self.suspended, energy, files = record, self._energy, self.resume_files  # due() adds to both (state)
+        self._suspend_save.due(trainer, decision, now, resume_at, self.schedule, energy, files, record)
         return False
 
     # ------------------------------------------------------------------ energy
