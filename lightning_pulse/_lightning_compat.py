@@ -197,17 +197,20 @@ class SkippedStepLogs:
         """At the batch end of a skipped step: put back the epoch's figures held at its start, and keep the
         step-interval plateau schedulers from Lightning's update that follows."""
         loop = None if self._loop is None else self._loop()
-        pass_over_plateau_update(loop)
         if (results := self._logged()) is None:
             return
         held = self._at_start
         if loop is not None:  # a new step value: a new tensor (``_ResultMetric.update`` clones it)
-            logged = {
-                result.meta.forked_name(True)
+            fresh = [
+                result
                 for key, result in results.items()
                 if result.meta.on_step and (key not in held or result._forward_cache is not held[key][3])
-            }
+            ]
+            logged = {result.meta.forked_name(True) for result in fresh}
             self._step_logged = (loop.batch_progress.total.processed, logged)
+            # the plateau schedulers reading a value this step logged (a validation's, or one no dropped step
+            # wrote, still reaches its own: a review)
+            pass_over_plateau_update(loop, logged | {result.meta.name for result in fresh})
         for key, result in results.items():
             if not result.is_tensor or not result.meta.on_epoch:
                 continue  # a torchmetrics object's states are the module's
@@ -263,10 +266,11 @@ class SkippedStepLogs:
             warn(_last_step_message(read, epoch))
 
 
-def pass_over_plateau_update(epoch_loop: Any) -> None:
+def pass_over_plateau_update(epoch_loop: Any, monitors: set[str] | frozenset[str] = frozenset()) -> None:
     """Call at the batch end of an optimizer step whose update was dropped: Lightning's update of the
     step-interval ``ReduceLROnPlateau`` schedulers that follows (the epoch loop's ``on_advance_end``, after
-    every batch-end hook and any validation there) steps none of them, for this batch only.
+    every batch-end hook and any validation there) steps none of them whose monitor is in ``monitors`` (the
+    values the step logged), for this batch only; one reading a validation's value is stepped as ever.
 
     That update reads the step's logged value (``trainer.callback_metrics[monitor]``): a skipped step's NaN
     or spike counted as a bad step (``num_bad_epochs``), and after a rollback, whose restore comes in the
@@ -286,7 +290,16 @@ def pass_over_plateau_update(epoch_loop: Any) -> None:
             passed_over = state["active"] and epoch_loop.batch_progress.total.processed == batch
             remove()
             if not passed_over:
+                return original(interval, update_plateau_schedulers=update_plateau_schedulers)
+            strategy = epoch_loop.trainer.strategy
+            configs = strategy.lr_scheduler_configs
+            strategy.lr_scheduler_configs = [
+                config for config in configs if not (config.reduce_on_plateau and config.monitor in monitors)
+            ]
+            try:
                 original(interval, update_plateau_schedulers=update_plateau_schedulers)
+            finally:
+                strategy.lr_scheduler_configs = configs
             return None
 
         return update_lr_schedulers

@@ -273,3 +273,52 @@ def test_a_step_value_read_at_the_end_of_an_epoch_whose_last_step_was_skipped_is
     assert len(last) == 1 and "training epoch 0" in last[0] and "monitor='train_loss_step'" in last[0]
     assert "`<name>_epoch`" in last[0]
     assert plateau.last_epoch == 2 and plateau.num_bad_epochs == 2  # what it says: NaN, a bad epoch, twice
+
+
+def test_a_step_plateau_on_a_validation_metric_still_reads_a_validation_that_a_skipped_batch_ran(tmp_path):
+    # a review: every step-interval plateau scheduler was passed over at a dropped batch, so one monitoring
+    # val_loss (frequency = val_check_interval, Lightning's recipe) lost the validations those batches ran
+    import torch.nn.functional as F
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
+    from torch.utils.data import DataLoader, TensorDataset
+
+    readings: list[float] = []
+
+    class Recording(ReduceLROnPlateau):
+        def step(self, metrics, *args, **kwargs):
+            readings.append(float(metrics))
+            return super().step(metrics, *args, **kwargs)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+        def training_step(self, batch, batch_idx):
+            loss = F.cross_entropy(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            plateau = Recording(optimizer, patience=1, factor=0.5)
+            config = {"scheduler": plateau, "interval": "step", "frequency": 5, "monitor": "val_loss"}
+            return {"optimizer": optimizer, "lr_scheduler": config}
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(160, 8, generator=generator), torch.randint(0, 3, (160,), generator=generator)
+    x[[32, 72]] = float("nan")  # batches 4 and 9 of 8 rows: the ones that end with a validation
+    val = TensorDataset(
+        torch.randn(64, 8, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+    )
+    pl.seed_everything(0)
+    guard = StabilityGuard()
+    kwargs = {"max_epochs": 1, "default_root_dir": tmp_path, "logger": False, "enable_checkpointing": False}
+    kwargs.update(enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = pl.Trainer(val_check_interval=5, callbacks=[guard], **kwargs)
+    trainer.fit(Module(), DataLoader(TensorDataset(x, y), batch_size=8), DataLoader(val, batch_size=32))
+    assert guard.steps_skipped == 2
+    assert len(readings) == 4  # every validation reached the scheduler (2 of 4 before)
