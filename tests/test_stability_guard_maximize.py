@@ -225,3 +225,33 @@ def test_two_optimizers_each_one_way_read_the_returned_loss_as_it_is_and_frozen_
     with pytest.raises(PulseRefusal, match="ascend it"):
         mixed = [{"params": second.parameters(), "maximize": True}, {"params": first.parameters()}]
         maximizes_loss([torch.optim.SGD(mixed, lr=0.1)])
+
+
+def test_a_checkpoint_whose_loss_windows_hold_the_other_sign_is_resumed_with_them_dropped():
+    # a review: a maximizing run's checkpoint from before the guard read `maximize` held the raw rewards
+    # (~ -1.1); judged negated (+1.1) against them on a linear scale every resumed step was a spike, 3 rollbacks
+    # and a stop followed. The state now says its sign, and an old or turned one drops the loss windows.
+    from lightning_pulse import StabilityGuard, StabilityGuardConfig
+
+    def core():
+        return StabilityGuard(config=StabilityGuardConfig(loss_scale="linear")).core
+
+    saved = core()
+    for step in range(60):
+        saved.detector.accept(-1.1 - 0.01 * (step % 3), 0.5, saved.detector.main_key)
+    state = saved.state_dict()
+    assert state["maximized"] is False
+    del state["maximized"]  # as saved before the direction was read
+    resumed = core()
+    resumed.load_state_dict(state)
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    with pytest.warns(UserWarning, match="loss baselines hold the loss as returned.*were dropped"):
+        resumed.start(0, [torch.optim.SGD([parameter], lr=0.1, maximize=True)])
+    assert resumed.maximized and resumed.detector.baseline(resumed.detector.main_key)["loss"] is None
+    assert resumed.detector.baseline(resumed.detector.main_key)["grad_norm"] is not None  # kept
+    same = core()
+    same.load_state_dict(saved.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.start(0, [torch.optim.SGD([parameter], lr=0.1)])  # the same sign: kept, nothing said
+    assert same.detector.baseline(same.detector.main_key)["loss"] is not None

@@ -332,6 +332,12 @@ class SpikeDetector:
             return _OK_UNSCORED
         return Assessment(Verdict.OK, loss_z, grad_z)
 
+    def forget_losses(self) -> bool:
+        """Drop every loss window (the gradient-norm ones stay); whether any held a value."""
+        held = any(tracker.values for tracker in self._loss.values())
+        self._loss = {}
+        return held
+
     def accept(self, loss: float | None, grad_norm: float | None, key: str = "default") -> None:
         """Add a healthy step's values to the baseline windows of ``key``."""
         self.accepted_steps += 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -624,6 +625,8 @@ class StabilityCore:
         self.level_steps = 0
         self.flagged_losses: dict[int, tuple[float, float | None]] = {}
         self.flagged_scores: dict[int, Clearing] = {}  # the open incident's (SpikeDetector.clearing_scores)
+        # whether a restored checkpoint's loss windows hold the negated loss (None: nothing restored)
+        self.resumed_maximized: bool | None = None
         # the optimizers ascend the loss (maximizes_loss, read at train start): every loss is judged negated
         self.maximized = False
 
@@ -787,6 +790,11 @@ class StabilityCore:
         run it resumes (to the resumed snapshot instead, it undid a skipped spike's statistics kept since)."""
         refuse_unconsolidated_optimizers(optimizers)
         self.maximized = maximizes_loss(optimizers)
+        saved, self.resumed_maximized = self.resumed_maximized, None
+        if saved is not None and saved != self.maximized and self.detector.forget_losses():
+            # the windows hold the loss of the other sign (a checkpoint from before the direction was read, or
+            # of a run whose optimizers turned): judged against them, every step was flagged (a review)
+            warnings.warn(maximize_changed_message(saved, self.maximized), stacklevel=2)
         self.schedule.pending, self.rollback_to, self.left_out = False, None, None
         self.unfit_optimizers_after = self.replaced_at = self.cut_unsnapshotted = None
         self.snapshot_owed = False
@@ -1575,6 +1583,7 @@ class StabilityCore:
             "bad_samples": self.bad_samples,
             "level": {**self.level.state_dict(), "applied": self.level_steps},
             "written_by_forwards": list(self.pre_step.names),
+            "maximized": self.maximized,  # the sign of the loss windows' values
         }
         if snapshots := self.incident_snapshots():
             state["incident_snapshots"] = [snapshot_state(snapshot) for snapshot in snapshots]
@@ -1607,6 +1616,18 @@ class StabilityCore:
         self.level_steps = int(state_dict.get("level", {}).get("applied", 0))
         self.resumed_written = [str(name) for name in state_dict.get("written_by_forwards", [])]
         self.resumed_snapshots = [snapshot_from_state(s) for s in state_dict.get("incident_snapshots", [])]
+        # a checkpoint from before the direction was read judged the loss as returned
+        self.resumed_maximized = bool(state_dict.get("maximized", False))
+
+
+def maximize_changed_message(saved: bool, own: bool) -> str:
+    """Why a resumed fit's loss baselines were dropped: the checkpoint judged the loss with the other sign."""
+    judged = {True: "the negated loss (`maximize=True`)", False: "the loss as returned"}
+    return (
+        f"StabilityGuard: the checkpoint's loss baselines hold {judged[saved]}, this fit judges {judged[own]} "
+        "(a checkpoint saved before the guard read `maximize`, or optimizers whose `maximize` changed); they "
+        "were dropped and fill again over the next `warmup` steps (the gradient-norm baselines are kept)."
+    )
 
 
 def guard_figure(name: str) -> property:
