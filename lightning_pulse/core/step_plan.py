@@ -162,6 +162,10 @@ def window_size(batch_size: int, fraction: float) -> int:
     return max(batch_size, round(batch_size / fraction))
 
 
+# a run whose spans near the crossing take at most this many simulated steps in all has every one tried
+SCANNED_STEPS = 50_000
+
+
 def plan_steps(
     clock: PhaseClock | None,
     light_phases: Iterable[str],
@@ -252,28 +256,50 @@ def plan_steps(
         clock.pin_span(None)
         args = (clock, *args[1:])
     guess, seen = plain_steps, {}
+    closest: tuple[int, int, StepPlan] | None = None  # the reached span's (steps over, -span, plan)
+
+    def simulated(candidate: int) -> StepPlan:
+        nonlocal closest
+        plan = _simulate(*args, *start, candidate)
+        seen[candidate] = plan.total_steps
+        over = plan.total_steps - candidate
+        if over >= 0 and (closest is None or (over, -candidate) < closest[:2]):
+            closest = (over, -candidate, plan)
+        return plan
+
     for _ in range(12):
-        plan = _simulate(*args, *start, guess)
+        plan = simulated(guess)
         if plan.total_steps == guess:
             return plan
-        seen[guess] = plan.total_steps
         if plan.total_steps in seen:
             break
         guess = plan.total_steps
     # no exact fixed point: moving the anneal's start by one step moves a phase boundary, and the data's steps
     # jump past the span (typically span s gives s + 1 steps and s + 1 gives s). Warm-up and anneal are pinned
     # to the span whose data's steps reach it most closely, so the run is exactly its data's steps (every
-    # epoch one pass, max_epochs kept) and its anneal is at least its share, never cut short
+    # epoch one pass, max_epochs kept) and its anneal is at least its share, never cut short. The tries circle
+    # the crossing (spans the data reaches below it, spans it falls short of above): the closest pair that
+    # brackets it is bisected to adjacent spans, a whole-run simulation (~3 us a step) each, rather than every
+    # span from the first tries on tried (a long run's first tries land hundreds of steps below the crossing)
     low, high = min(seen), max(max(seen), max(seen.values()))
-    best: tuple[int, int] | None = None  # (steps over the span, -span)
-    for candidate in range(low, min(high, low + 64) + 1):
-        steps = seen[candidate] if candidate in seen else _simulate(*args, *start, candidate).total_steps
-        if steps >= candidate and (best is None or (steps - candidate, -candidate) < best):
-            best = (steps - candidate, -candidate)
-    span = -best[1] if best is not None else low
-    while best is None and span > 0 and _simulate(*args, *start, span).total_steps < span:
-        span -= 1  # a span of 0 (all burst) is reached by the plain run's steps
-    return replace(_simulate(*args, *start, span), phase_steps=span)
+    if (min(high, low + 64) - low + 1) * plain_steps <= SCANNED_STEPS:  # a short run: every span tried
+        for candidate in range(low, min(high, low + 64) + 1):
+            if candidate not in seen:
+                simulated(candidate)
+        span = low
+        while closest is None and span > 0 and simulated(span).total_steps < span:
+            span -= 1  # a span of 0 (all burst) is reached by the plain run's steps
+        low = high = span
+    else:  # a long run: the closest pair of tried spans around the crossing is bisected
+        # (a span of 0, all burst, is reached by the plain run's steps)
+        low = max((span for span, steps in seen.items() if steps >= span), default=0)
+        high = min((span for span, steps in seen.items() if steps < span and span > low), default=low)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if simulated(middle).total_steps >= middle else (low, middle)
+    if closest is None:
+        return replace(_simulate(*args, *start, low), phase_steps=low)
+    return replace(closest[2], phase_steps=-closest[1])
 
 
 def _plain_sizes(samples: int, batch_size: int, drop_last: bool) -> list[int]:
