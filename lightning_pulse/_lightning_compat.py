@@ -1900,6 +1900,38 @@ def processed_batch_counts(trainer: pl.Trainer) -> tuple[float, int] | None:
     return None
 
 
+def in_unfinished_step(trainer: pl.Trainer) -> bool:
+    """Whether a checkpoint saved now is saved inside a training step that a resume from it trains again: the
+    training batch fetched last is counted ``ready`` and not ``processed`` (Lightning counts it processed
+    once its optimizer step has run through, before any ``on_train_batch_end``). A resume restarts at the
+    batches completed (``reset_on_restart``), so it trains that batch again from the weights before its
+    update: a save from its ``on_train_batch_start`` to its ``optimizer.step`` (SLURM's requeue signal,
+    handled wherever the main thread is; ``OnExceptionCheckpoint`` after an exception there). Inside the
+    optimizer step the optimizer loop's counters (``optim_progress.optimizer.step``: ready, not completed)
+    agree; the batch's cover the rest of it and manual optimization. A callback that books the step before
+    its update saves, then, the state before that booking."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    return progress.processed < progress.ready
+
+
+class UnfinishedStepWatch:
+    """:func:`in_unfinished_step` for a callback that keeps no Trainer: :meth:`watch` at train start holds the
+    fit's Trainer weakly (also past an exception, where ``OnExceptionCheckpoint`` saves), calling it asks."""
+
+    def __init__(self) -> None:
+        self._trainer: weakref.ReferenceType[pl.Trainer] | None = None
+
+    def watch(self, trainer: pl.Trainer) -> None:
+        self._trainer = weakref.ref(trainer)
+
+    def __call__(self) -> bool:
+        trainer = None if self._trainer is None else self._trainer()
+        return trainer is not None and in_unfinished_step(trainer)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled by ddp_spawn: no Trainer
+        return {"_trainer": None}
+
+
 def backward_loss_divisor(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float | torch.Tensor:
     """What the loss a module's step returned was divided by to become the loss ``on_before_backward`` gets:
     ``accumulate_grad_batches`` under automatic optimization, over the GradScaler's scale under ``16-mixed``

@@ -636,3 +636,55 @@ def test_the_hook_after_exception_runs_once_every_on_exception_ran_checkpoint_ca
         trainer.fit(_Fails(), _loader())
     assert calls == ["first", "checkpoint", "after"]  # Lightning calls checkpoint callbacks last
     assert "on_exception" not in vars(trainer.strategy)  # a once-hook removes itself
+
+
+class _UnfinishedAt(pl.Callback):
+    """``compat.in_unfinished_step`` (and the watch's answer) at the first step's hooks, once."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, bool] = {}
+        self.watch = compat.UnfinishedStepWatch()
+
+    def _at(self, trainer, hook):
+        if trainer.current_epoch == 0 and hook not in self.seen:
+            self.seen[hook] = compat.in_unfinished_step(trainer)
+            assert self.watch() == self.seen[hook]
+
+    def on_train_start(self, trainer, pl_module):
+        self.watch.watch(trainer)
+        self._at(trainer, "on_train_start")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._at(trainer, "on_train_batch_start")
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self._at(trainer, "on_before_backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._at(trainer, "on_before_optimizer_step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._at(trainer, "on_train_batch_end")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._at(trainer, "on_train_epoch_end")
+
+
+def test_a_step_is_unfinished_from_its_batch_start_to_its_update_and_after_an_exception_in_it(tmp_path):
+    """What a checkpoint saved in each hook resumes by training again: the batch fetched last while Lightning
+    counts it ready and not processed (a resume trains it again, from the weights before its update)."""
+    seen = _UnfinishedAt()
+    trainer = pl.Trainer(callbacks=[seen], max_steps=2, **trainer_kwargs(default_root_dir=tmp_path))
+    trainer.fit(BatchNormMLP(), _loader())
+    inside = {"on_train_batch_start": True, "on_before_backward": True, "on_before_optimizer_step": True}
+    assert seen.seen == {
+        "on_train_start": False,
+        **inside,
+        "on_train_batch_end": False,
+        "on_train_epoch_end": False,
+    }
+    assert not compat.in_unfinished_step(trainer)  # after the fit
+    failed = pl.Trainer(max_steps=2, **trainer_kwargs(default_root_dir=tmp_path))
+    with pytest.raises(RuntimeError, match="fails"):
+        failed.fit(_Fails(), _loader())
+    assert compat.in_unfinished_step(failed)  # a save after the exception: a resume trains that batch again

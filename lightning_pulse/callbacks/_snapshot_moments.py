@@ -12,6 +12,9 @@ the callbacks listed after it as they were before their part of that hook. Two m
 
 With the guard listed after every ``RollbackAware`` callback a step's snapshot is taken in its own batch end,
 as always. Plain Lightning glue, no per-step work: the hooks are installed only where a snapshot is due.
+
+A checkpoint's moment too: :attr:`SnapshotMoments.unfinished_step` tells a save inside a step whose update has
+not run, which a resume trains again (``compat.in_unfinished_step``).
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ class SnapshotMoments:
         self._after_others = False  # a RollbackAware callback listed after the guard closes steps later
         # a step whose snapshot waits for every batch end (a checkpoint saved in between holds none of it)
         self.due_step: int | None = None
+        self.unfinished_step = compat.UnfinishedStepWatch()  # the fit's, from its start (past an exception)
 
     def fit_starts(self, trainer: pl.Trainer, guard: Any, take: Callable[[], None]) -> None:
         """At the guard's ``on_train_start``: the fit-start snapshot once every ``on_train_start`` ran."""
         self._after_others = rollback_aware_after(trainer, guard)
+        self.unfinished_step.watch(trainer)
         self._start.watch(trainer, lambda _: take())
 
     def step_ends(self, trainer: pl.Trainer, take: Callable[[], None], told_late: bool = False) -> None:

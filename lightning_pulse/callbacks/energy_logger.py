@@ -304,9 +304,10 @@ class EnergyLogger(compat.PulseStateKey, Callback):
         self._held.wait()  # the rank may exit right after this (see compat.CollectiveHold)
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        trainer = None if self._trainer is None else self._trainer()
-        return self.account.state_dict(None if trainer is None else self._collective(trainer))
+    def state_dict(self) -> dict[str, Any]:  # saved inside a step its resume trains again: without its batch
+        if (trainer := None if self._trainer is None else self._trainer()) is None:
+            return self.account.state_dict()
+        return self.account.state_dict(self._collective(trainer), compat.in_unfinished_step(trainer))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -351,8 +352,7 @@ class EnergyLogger(compat.PulseStateKey, Callback):
 
     def _warn_rank(self, message: str) -> None:
         # a meter can fail on one rank only (its own GPU), so under DDP every rank may warn, with its rank
-        trainer = None if self._trainer is None else self._trainer()
-        if trainer is None or trainer.world_size <= 1:
+        if (trainer := None if self._trainer is None else self._trainer()) is None or trainer.world_size <= 1:
             rank_zero_warn(message)
         else:
             warnings.warn(rank_prefixed_message(message, trainer.global_rank), UserWarning, stacklevel=2)

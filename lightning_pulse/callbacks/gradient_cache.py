@@ -131,6 +131,7 @@ class GradientCache(compat.PulseStateKey, Callback):
         self._loader_watch = compat.HookWatch(compat.on_train_dataloader_ready)
         # set from on_train_start to the end of training: a load_state_dict then applies at once (a rollback)
         self._fit_refs: tuple[pl.Trainer, pl.LightningModule] | None = None
+        self._unfinished_step = compat.UnfinishedStepWatch()  # a save inside a step: the state before it
         self._held = compat.CollectiveHold()  # the hit rates' gathered counts, until gloo's worker lets go
         self._phase_enabled = True
         self._span: tuple[int | None, int | None] = (None, None)
@@ -192,6 +193,7 @@ class GradientCache(compat.PulseStateKey, Callback):
         )
         self._loader_watch.stop()  # the data is set up (reloading it is refused with the cache)
         self._fit_refs = (trainer, pl_module)
+        self._unfinished_step.watch(trainer)
         # a checkpoint applies here, after the strategy wrapped the model: DDP must see every parameter
         # trainable; `units` changed since it was saved are honoured there (scores start over on them)
         pending, step = self._lifecycle.pending, trainer.global_step
@@ -333,7 +335,7 @@ class GradientCache(compat.PulseStateKey, Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         # the restored state as it was while a restored fit trained nothing (no on_train_start came)
-        return self._lifecycle.state_dict(self.ledger.state_dict(), self.events)
+        return self._lifecycle.state_dict(self.ledger.state_dict(), self.events, self._unfinished_step())
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

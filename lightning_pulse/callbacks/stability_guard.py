@@ -291,8 +291,9 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         self.core.parameters_replaced(trainer.global_step, pl_module, self._record)
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.core.state_dict(snapshot_due=self._moments.due_step is not None)  # taken after a save
+    def state_dict(self) -> dict[str, Any]:  # a snapshot taken after the save; inside a step: as before it
+        moments = self._moments
+        return self.core.state_dict(moments.due_step is not None, self._record, moments.unfinished_step())
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -341,8 +342,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         self.core.take_snapshot(trainer.global_step, pl_module, *state, rank_zero_warn, sums)
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
-        """Return to the newest snapshot taken ``rollback_margin`` steps before the incident; then go on
-        (``Action.ROLLBACK``) or save a checkpoint and raise (``Action.STOP``)."""
+        """Back to the newest snapshot ``rollback_margin`` steps before the incident; go on, or save and raise."""
         step = trainer.global_step - 1  # the flagged step that triggered it (already taken)
         state = self._training_state(trainer)
         target, undone = self.core.return_to_snapshot(pl_module, state, step, rank_zero_warn)

@@ -389,6 +389,12 @@ class LayerFreezer:
         # the parameters this freezer turned off: only these are turned back on, so a parameter the user (or
         # another callback, BackboneFinetuning say) froze meanwhile stays as they left it
         self._turned_off: dict[int, nn.Parameter] = {}
+        # for state_before_step: the frozen share summed before the step counted last (None: none counted since
+        # built or loaded), and (steps, state before it, events it recorded) where it changed more than counts
+        self._share_sum_before: float | None = None
+        self._before_step: tuple[int, dict[str, Any], int] | None = None
+        # a restored state's movements of the window its first step closes: (that step's count, by unit)
+        self._known_movements: tuple[int, dict[int, tuple[float, float]]] | None = None
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -547,8 +553,9 @@ class LayerFreezer:
                 end, on every process.
         """
         # someone else turned a frozen unit back on: their gradients count, so everything is released (a change
-        # of its own, before whatever this step decides)
-        taken_back = self.release_taken_back()
+        # of its own, before whatever this step decides); the state before it kept for state_before_step
+        before = self._fields() if self._taken_back() else None
+        taken_back = before is not None and self.set_prefix(0)
         frozen_during_backward = [i for i, is_frozen in enumerate(self.frozen) if is_frozen]
         report = StepReport(
             frozen_share=self.frozen_share, taken_back=taken_back, held=frozen_during_backward
@@ -557,6 +564,7 @@ class LayerFreezer:
             self._unplaced_trained = self._gradient_reached_unplaced()
         if agree is None:
             self.misplaced = self._unplaced_trained
+        self._share_sum_before = self.frozen_share_sum
         self.frozen_share_sum += report.frozen_share
         self.steps += 1
         for i, unit in enumerate(self.units):
@@ -564,8 +572,10 @@ class LayerFreezer:
                 self.window_count[i] += 1
         self.step_in_window += 1
         if self.step_in_window >= self.settings.check_every:
+            if before is None:  # the window's state goes: kept (its movements too) for state_before_step
+                before = self._fields(counted=True)
             report.window_closed = True
-            report.refreshed = self._close_window()
+            report.refreshed = self._close_window(before)
             # one broadcast per window carries the stable flags and whether the trainable set grew
             flags = [*self.stable, self.outgrown or self._outside_trains(), bool(self._unplaced_trained)]
             if agree is not None:
@@ -576,7 +586,11 @@ class LayerFreezer:
             report.changed = self.set_prefix(self._propose(enabled))
             self.step_in_window = 0
         elif (not enabled or self.misplaced) and any(self.frozen):
+            if before is None:
+                before = self._fields(counted=True)
             report.changed = self.set_prefix(0)
+        if before is not None:  # with the events GradientCache records for this step (record_step)
+            self._before_step = (self.steps, before, int(report.taken_back) + int(report.changed))
         for i in frozen_during_backward:
             for param in self.units[i].params:
                 # None, not zeros: torch optimizers skip a None grad, so no momentum and no weight decay
@@ -737,14 +751,21 @@ class LayerFreezer:
         return [p.detach().clone() for p in self.units[index].params]
 
     @torch.no_grad()  # here, not around every step: the context costs a few µs, most steps need no torch op
-    def _close_window(self) -> list[str]:
+    def _close_window(self, keep: dict[str, Any] | None = None) -> list[str]:
+        """Score the units that trained the whole window; ``keep`` gets their movements (``"movements"``)."""
         refreshed: list[str] = []
         full = [
             i
             for i, unit in enumerate(self.units)
             if not self.frozen[i] and unit.used and self.window_count[i] >= self.settings.check_every
         ]
-        movements = window_movements([(self.units[i].params, self.snapshot[i]) for i in full])
+        known, self._known_movements = self._known_movements, None
+        if known is not None and known[0] == self.steps and all(i in known[1] for i in full):
+            movements = [known[1][i] for i in full]  # measured before a checkpoint saved inside this step
+        else:
+            movements = window_movements([(self.units[i].params, self.snapshot[i]) for i in full])
+        if keep is not None:
+            keep["movements"] = dict(zip(full, movements))
         threshold = self.settings.threshold
         for i, (rate, growth) in zip(full, movements):
             if math.isfinite(rate):
@@ -815,6 +836,50 @@ class LayerFreezer:
         return changed
 
     # ------------------------------------------------------------------ checkpointing
+    def _fields(self, counted: bool = False) -> dict[str, Any]:
+        """The saved fields :meth:`state_dict` gives besides the units and the snapshots, as they are now;
+        ``counted``: but for the counts of the step counted last (the windows' steps, the frozen share), taken
+        back: its frozen set has not changed since it counted them."""
+        steps, in_window, window_count = self.steps, self.step_in_window, list(self.window_count)
+        share_sum = self.frozen_share_sum
+        if counted and self._share_sum_before is not None:
+            steps, in_window, share_sum = steps - 1, in_window - 1, self._share_sum_before
+            for i, unit in enumerate(self.units):
+                if unit.used and not self.frozen[i]:
+                    window_count[i] -= 1
+        return {
+            "steps": steps,
+            "step_in_window": in_window,
+            "frozen": list(self.frozen),
+            "stable": list(self.stable),
+            "scores": list(self.scores),
+            "validated_at": list(self.validated_at),
+            "peak_rate": list(self.peak_rate),
+            "checking": list(self.checking),
+            "window_count": window_count,
+            "stats": {
+                "refreshes": self.refreshes,
+                "refresh_hits": self.refresh_hits,
+                "frozen_share_sum": share_sum,
+                "freezes": self.freezes,
+            },
+        }
+
+    def state_before_step(self) -> tuple[dict[str, Any], int] | None:
+        """``(state, events)``: :meth:`state_dict` as the step counted last found it, for a checkpoint saved
+        before that step's update, which a resume trains again (counted once then), and how many frozen-prefix
+        events that step recorded; ``None`` where no step was counted since the freezer was built or loaded.
+        Where the step changed no more than its counts, they are taken back; else the state it kept. The window
+        snapshots stay: the step replaced only those it measures again (from the same weights, before the
+        update) or takes again, and a window it closed keeps its movements (``"movements"``), which the
+        resumed step's close reads instead of measuring from the snapshots it replaced."""
+        if self._share_sum_before is None:
+            return None
+        kept = self._before_step
+        if kept is not None and kept[0] == self.steps:
+            return {**self.state_dict(), **kept[1]}, kept[2]
+        return {**self.state_dict(), **self._fields(counted=True)}, 0
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
@@ -882,6 +947,14 @@ class LayerFreezer:
         self.refresh_hits = int(stats["refresh_hits"])
         self.frozen_share_sum = float(stats["frozen_share_sum"])
         self.freezes = int(stats["freezes"])
+        self._share_sum_before, self._before_step = None, None
+        movements, self._known_movements = (
+            state.get("movements"),
+            None,
+        )  # saved inside a step closing a window
+        if movements is not None:
+            known = {int(i): (float(rate), float(growth)) for i, (rate, growth) in movements.items()}
+            self._known_movements = (self.steps + 1, known)
 
 
 def freezer_from_state(
@@ -1779,18 +1852,28 @@ class FreezerLifecycle:
         wraps the model), and take its :attr:`events` at once."""
         self.pending, self.events = dict(state), list(state["events"])
 
-    def state_dict(self, ledger: Mapping[str, Any], events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    def state_dict(
+        self, ledger: Mapping[str, Any], events: Iterable[Mapping[str, Any]], in_unfinished_step: bool = False
+    ) -> dict[str, Any]:
         """:class:`~lightning_pulse.GradientCache`'s checkpoint: the freezer's state (``None`` while the units
         wait for their order), the given FLOP ``ledger`` state and frozen-prefix ``events``, the optimizer
         check's state and the ``units`` argument (:data:`UNITS_ARGUMENT`, which a resume compares with its
         own); the :attr:`pending` state as it came while a restored fit trained nothing (no :meth:`resume`
-        came)."""
+        came). ``in_unfinished_step``: saved inside a training step whose update has not run, which a resume
+        trains again (``compat.in_unfinished_step``): where the freezer counted that step already, its state
+        and events as before it (:meth:`LayerFreezer.state_before_step`), so the resume counts it once."""
         if self.pending is not None:
             return dict(self.pending)
+        freezer, events = self.freezer, list(events)
+        cache = freezer.state_dict() if freezer is not None else None
+        if in_unfinished_step and self._step_counted and freezer is not None:
+            if (before := freezer.state_before_step()) is not None:
+                cache, recorded = before
+                del events[len(events) - recorded :]  # record_step's, for that step
         return {
-            "cache": self.freezer.state_dict() if self.freezer is not None else None,
+            "cache": cache,
             "ledger": ledger,
-            "events": list(events),
+            "events": events,
             "optimizer_check": self.optimizer_check.state_dict(),
             UNITS_ARGUMENT: None if self.unit_names is None else list(self.unit_names),
         }

@@ -291,15 +291,24 @@ class SpikeDetector:
         self.unjudged_losses = 0  # losses <= 0 seen on a log scale
         self.negative_losses = 0  # those of them < 0 (a 0 is left out harmlessly: it cannot be a spike)
         self.accepted_steps = 0  # the windows' clock: a value is stamped with it when it enters
+        # a healthy step's (key, values on their scales) judged with ``hold=True``, until :meth:`accept_held`
+        self.held: tuple[str, float | None, float | None] | None = None
         self._loss: dict[str, RunningRobustZ] = {}
         self._grad_norm: dict[str, RunningRobustZ] = {}
 
     def assess(
-        self, loss: float | None, grad_norm: float | None, key: str = "default", accept: bool = False
+        self,
+        loss: float | None,
+        grad_norm: float | None,
+        key: str = "default",
+        accept: bool = False,
+        hold: bool = False,
     ) -> Assessment:
         """Judge one step. ``None`` means the value was not observed (it is then not judged).
 
-        With ``accept=True`` a step judged OK also enters the baseline (what :meth:`accept` does). The
+        With ``accept=True`` a step judged OK also enters the baseline (what :meth:`accept` does); with
+        ``hold=True`` it enters at :meth:`accept_held` (once its update ran: a checkpoint saved before holds
+        the baselines without it). The
         returned z-scores are ``None`` for values that were not judged or not above ``min_ratio`` times the
         median (they cannot be spikes whatever their z-score; the ratio test is O(1), the MAD is not).
         """
@@ -328,6 +337,8 @@ class SpikeDetector:
             self.accepted_steps += 1
             self._add(self._loss, key, scaled_loss)
             self._add(self._grad_norm, key, scaled_grad)
+        elif hold:
+            self.held = (key, scaled_loss, scaled_grad)
         if loss_z is None and grad_z is None:
             return _OK_UNSCORED
         return Assessment(Verdict.OK, loss_z, grad_z)
@@ -337,6 +348,22 @@ class SpikeDetector:
         held = any(tracker.values for tracker in self._loss.values())
         self._loss = {}
         return held
+
+    def accept_held(self) -> None:
+        """The healthy step's values :meth:`assess` held (``hold=True``) enter the baselines, once."""
+        held, self.held = self.held, None
+        if held is not None:
+            key, loss, grad_norm = held
+            self.accepted_steps += 1
+            self._add(self._loss, key, loss)
+            self._add(self._grad_norm, key, grad_norm)
+
+    def counted_unjudged(self, loss: float | None) -> tuple[int, int]:
+        """What :meth:`assess` added to ``(unjudged_losses, negative_losses)`` for a step with ``loss`` and a
+        finite gradient norm: a loss <= 0 (< 0) a log scale cannot judge."""
+        if loss is None or self.loss_scale != "log" or not math.isfinite(loss) or loss > 0:
+            return 0, 0
+        return 1, int(loss < 0)
 
     def accept(self, loss: float | None, grad_norm: float | None, key: str = "default") -> None:
         """Add a healthy step's values to the baseline windows of ``key``."""
@@ -416,6 +443,7 @@ class SpikeDetector:
         it out), and those saved under another ``main_key`` are merged into this one's: it gets the pooled
         window, which a detector that used only this key would hold. :attr:`converted` tells what was.
         A state of an earlier version (neither saved) is taken as this detector's."""
+        self.held = None
         own = {"loss_scale": self.loss_scale, "main_key": self.main_key}
         saved = {name: state_dict.get(name, value) for name, value in own.items()}
         self.converted = {name: (value, own[name]) for name, value in saved.items() if value != own[name]}

@@ -19,6 +19,7 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from typing import Any
 
 import torch
@@ -684,6 +685,12 @@ class StepEnergy:
             return None
 
 
+def _rates_saved_as(lrs: list[Any], optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """An optimizer ``state_dict`` post-hook: its groups' learning rates as ``lrs`` (:meth:`StepChanges.scale_lr`)."""
+    for group, lr in zip(state["param_groups"], lrs):
+        group["lr"] = lr
+
+
 class StepChanges:
     """What the guard changes in one ``optimizer.step()``, put back right after it.
 
@@ -697,7 +704,9 @@ class StepChanges:
     * :meth:`hold`: a backup taken before a step that may still be skipped after its parameters moved (a
       later closure evaluation of SAM or LBFGS that turns out non-finite); dropped after an applied step.
     * :meth:`scale_lr`: the learning rates of one step scaled, put back after the step, before Lightning
-      steps the LR schedulers (chainable schedulers never see the lowered value).
+      steps the LR schedulers (chainable schedulers never see the lowered value). The optimizer's
+      ``state_dict`` gives them unscaled meanwhile: a checkpoint saved inside the step (SLURM's requeue signal,
+      ``OnExceptionCheckpoint``), which a resume trains again, holds the rates the step started from.
 
     :meth:`attach` registers step hooks on the optimizers. torch runs an instance's hooks from the ``step``
     of every optimizer class it has built, so a subclass's ``super().step()`` runs them before its own step
@@ -713,6 +722,7 @@ class StepChanges:
         self._backup: tuple[torch.optim.Optimizer, list[tuple[Any, dict]], list[torch.Tensor]] | None = None
         self._skipping = False  # the backup goes back after the step (else it is dropped: a step applied)
         self._saved_lrs: tuple[torch.optim.Optimizer, list[Any]] | None = None
+        self._unscaled_in_state: Any = None  # the state_dict hook that gives the saved rates (scale_lr)
         self._depth: dict[int, int] = {}
         self._handles: list[Any] = []
 
@@ -767,9 +777,14 @@ class StepChanges:
         """Scale the learning rates of the coming ``optimizer.step()`` by ``factor`` (once per step)."""
         if self._saved_lrs is not None:  # decided again within the step (LBFGS): scale the original rates
             self.restore()
-        self._saved_lrs = (optimizer, [group["lr"] for group in optimizer.param_groups])
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        self._saved_lrs = (optimizer, lrs)
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * factor
+        try:  # an optimizer torch did not build (a Lookahead that skips Optimizer.__init__) has no such hooks
+            self._unscaled_in_state = optimizer.register_state_dict_post_hook(partial(_rates_saved_as, lrs))
+        except AttributeError:
+            self._unscaled_in_state = None
 
     def restore(self) -> None:
         """Put back a backed-up state (of a skipped step, its gradients set to ``None``; a held one of an
@@ -796,6 +811,9 @@ class StepChanges:
             for group, lr in zip(optimizer.param_groups, lrs):
                 group["lr"] = lr
             self._saved_lrs = None
+            if self._unscaled_in_state is not None:
+                self._unscaled_in_state.remove()
+                self._unscaled_in_state = None
 
     def _enter(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._depth[id(optimizer)] = self._depth.get(id(optimizer), 0) + 1

@@ -629,6 +629,8 @@ class StabilityCore:
         self.resumed_maximized: bool | None = None
         # the optimizers ascend the loss (maximizes_loss, read at train start): every loss is judged negated
         self.maximized = False
+        # (step, state, its loss counts taken back) of a flagged step in flight, as before it (_keep_before_step)
+        self.before_step: tuple[int, dict[str, Any], bool] | None = None
 
     @property
     def presumes_data(self) -> bool:
@@ -644,6 +646,7 @@ class StabilityCore:
         key: str,
         trace_cause: Callable[[], str | None],
         rollback_helps: Callable[[Verdict], bool] | None = None,
+        accept_at_end: bool = False,
     ) -> tuple[Verdict, Action, str | None, bool]:
         """Judge one optimizer step and decide its action.
 
@@ -653,16 +656,22 @@ class StabilityCore:
         note)``; ``note`` is a warning to say (once): the first loss a log scale cannot judge (and the first
         below 0 after 0s), or recurring spikes that make a large share of recent steps
         (:class:`RecurringLevel`). A flagged step at the level such spikes turned out to be is applied and
-        accepted into the baselines (verdict OK, ``level_steps``).
+        accepted into the baselines (verdict OK, ``level_steps``). ``accept_at_end``: a healthy step's values
+        enter the baselines at :meth:`finish_step` (:meth:`SpikeDetector.accept_held`), once its update ran
+        (a checkpoint saved before holds them out); a flagged step keeps the state before it
+        (:meth:`_keep_before_step`).
         """
         detector, policy = self.detector, self.policy
         unjudged_before, negative_before = detector.unjudged_losses, detector.negative_losses
-        verdict = detector.assess(loss, grad_norm, key, accept=True).verdict
+        # accepted now, or held until finish_step (positional: the call of every step)
+        verdict = detector.assess(loss, grad_norm, key, not accept_at_end, accept_at_end).verdict
         # said at the first loss <= 0, and again at the first < 0 after 0s (only that needs a linear scale)
         first = (not unjudged_before and detector.unjudged_losses) or (
             not negative_before and detector.negative_losses
         )
         note = unjudged_loss_message(loss, self.maximized) if first else None
+        if accept_at_end and verdict is not Verdict.OK:
+            self._keep_before_step(step, (unjudged_before, negative_before))
         if verdict.is_spike and verdict not in NONFINITE and self.level.holds(loss, grad_norm):
             # a step at the level of the data that recurring spikes turned out to be: trained, and its values
             # teach the windows that level (no rollback test: it would find the batch spiking again)
@@ -704,6 +713,8 @@ class StabilityCore:
             verdict = Verdict.NONFINITE_GRAD
         else:
             return Action.APPLY
+        if self.before_step is None or self.before_step[0] != step:
+            self._keep_before_step(step)
         return self.policy.decide(step, verdict)
 
     def judge_step(
@@ -734,6 +745,7 @@ class StabilityCore:
             key,
             lambda: self.nonfinite_cause(flagged(), warn),
             lambda verdict: self.flagged_rollback_helps(flagged(), verdict, warn),
+            True,  # accept_at_end
         )
         record.decided = action
         if note is not None:
@@ -805,6 +817,7 @@ class StabilityCore:
         self.rerun_failed_warned = False
         self.level.start()
         self.flagged_losses, self.flagged_scores = {}, {}
+        self.detector.held, self.before_step = None, None
         self.fit_start_accepted = self.detector.accepted_steps
         self.fit_start_unjudged = self.detector.unjudged_losses
         self.fit_start_negative = self.detector.negative_losses
@@ -842,6 +855,7 @@ class StabilityCore:
         encoder or an ``AveragedModel`` copied from the model keeps its values at its first update)."""
         if forced and model is not None:
             self.mend_forward_state(model, optimizers=optimizers)
+        self.detector.accept_held()
         self.policy.finish(action, energy_kwh)
         pre_step = self.pre_step
         if action is Action.APPLY and model is not None and pre_step.learn_after is not None:
@@ -1571,10 +1585,56 @@ class StabilityCore:
             loss = -loss
         return flag_message(step, verdict, action, loss, grad_norm, key, self.detector, self.maximized)
 
-    def state_dict(self, snapshot_due: bool = False) -> dict[str, Any]:
+    def _keep_before_step(self, step: int, counts: tuple[int, int] | None = None) -> None:
+        """Keep what flagging optimizer step ``step`` changes in a checkpoint, as it was before (the detector's
+        ``counts`` of losses it cannot judge, before the step's judgement; else they are taken back from the
+        step's loss): where a checkpoint is saved inside the step, which a resume trains again
+        (:meth:`_state_before`). Flagged steps only: a healthy one changes the baselines at its end."""
+        detector = self.detector.state_dict()
+        if counts is not None:
+            detector["unjudged_losses"], detector["negative_losses"] = counts
+        kept = {
+            "detector": detector,
+            "policy": self.policy.state_dict(),
+            "bad_samples": [dict(sample) for sample in self.bad_samples],
+            "level": {**self.level.state_dict(), "applied": self.level_steps},
+            "incident_snapshots": self.incident_snapshots(),
+        }
+        self.before_step = (step, kept, counts is not None)
+
+    def _state_before(self, state: dict[str, Any], record: StepRecord) -> dict[str, Any]:
+        """``state`` (:meth:`state_dict`'s) as before the step in flight in ``record`` (decided, its update not
+        run): a resume trains it again and judges it once more. A healthy step's values have not entered the
+        baselines (:meth:`SpikeDetector.accept_held`); a flagged step's changes are taken back
+        (:meth:`_keep_before_step`), a forced skip's count too, and the losses its judgement could not judge."""
+        step, counted_back = record.step_after - 1, False
+        if self.before_step is not None and self.before_step[0] == step:
+            kept, counted_back = dict(self.before_step[1]), self.before_step[2]
+            if snapshots := kept.pop("incident_snapshots"):
+                kept["incident_snapshots"] = [snapshot_state(snapshot) for snapshot in snapshots]
+            else:
+                state.pop("incident_snapshots", None)
+            state = {**state, **kept}
+        if record.forced:  # not judged: one fewer skip left
+            state["policy"] = {**state["policy"], "skip_remaining": state["policy"]["skip_remaining"] + 1}
+        elif not counted_back:  # judged healthy (finite values), or flagged at a later closure evaluation
+            detector = state["detector"] = dict(state["detector"])
+            unjudged, negative = self.detector.counted_unjudged(record.loss)
+            detector["unjudged_losses"] -= unjudged
+            detector["negative_losses"] -= negative
+        return state
+
+    def state_dict(
+        self, snapshot_due: bool = False, record: StepRecord | None = None, in_unfinished_step: bool = False
+    ) -> dict[str, Any]:
         """The guard's state for a checkpoint. ``snapshot_due``: a snapshot of this step comes after the save
         (once every callback's batch end ran); so does one owed or requested here. A fit resumed from it
-        takes that one at its start (:meth:`take_snapshot`)."""
+        takes that one at its start (:meth:`take_snapshot`). ``in_unfinished_step``: saved inside the
+        training step in ``record`` before its update, which a resume trains again
+        (``compat.in_unfinished_step``): where it was decided, the state before it (:meth:`_state_before`),
+        so that the resume judges and counts it once; after its update, its values are in the baselines."""
+        if not in_unfinished_step:  # after the update, before the guard's batch end: its values are in
+            self.detector.accept_held()
         state = {
             "detector": self.detector.state_dict(),
             "policy": self.policy.state_dict(),
@@ -1587,6 +1647,8 @@ class StabilityCore:
         }
         if snapshots := self.incident_snapshots():
             state["incident_snapshots"] = [snapshot_state(snapshot) for snapshot in snapshots]
+        if in_unfinished_step and record is not None and record.decided is not None:
+            return self._state_before(state, record)
         return state
 
     def incident_snapshots(self) -> list[TrainingSnapshot]:

@@ -718,7 +718,10 @@ class EnergyAccount:
             self.warn_once(
                 "counter", f"EnergyLogger: could not count the batch ({type(error).__name__}: {error})."
             )
+            self._flight = (self.batches_started_this_fit, self.batches_this_fit, 0, None)
             return
+        # what a checkpoint saved before the batch's step ran through leaves out (_batch_in_flight_left_out)
+        self._flight = (self.batches_started_this_fit, self.batches_this_fit, samples, tokens)
         if type(samples) is int:
             self._samples += samples
         else:  # a graph count as a tensor: read at the next read-out, not every step (a GPU synchronisation)
@@ -1185,8 +1188,14 @@ class EnergyAccount:
         return described
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, collective: Collective | None = None) -> dict[str, Any]:
-        snapshot = self.snapshot(collective) if self.ledger is not None else self.carried
+    def state_dict(
+        self, collective: Collective | None = None, batch_in_flight: bool = False
+    ) -> dict[str, Any]:
+        """The whole run so far, for a checkpoint. ``batch_in_flight``: it is saved inside a training step
+        that a resume from it trains again (``compat.in_unfinished_step``): the batch in flight is left out
+        (:meth:`_batch_in_flight_left_out`), so the resume counts it once."""
+        with self._batch_in_flight_left_out(batch_in_flight):
+            snapshot = self.snapshot(collective) if self.ledger is not None else self.carried
         total = (snapshot or {}).get("buckets", {}).get("total")
         self._saved_total = None if total is None else dict(total)
         return {
@@ -1283,6 +1292,52 @@ class EnergyAccount:
         )
 
     # ------------------------------------------------------------------ internals
+    @contextmanager
+    def _batch_in_flight_left_out(self, in_flight: bool) -> Iterator[None]:
+        """Within it, where ``in_flight`` (a checkpoint saved inside a step its resume trains again) and this
+        fit's batch in flight started here: the tallies without that batch, its samples, its tokens and its
+        count as a batch (counted or not yet: a save before its backward); put back after, so this fit counts
+        it as before. Its time and energy were spent, and stay. A read-out inside folds the tallies, so the
+        batch leaves the ledger (under the labels of the moment) and comes back at the next fold."""
+        flight, batch = self._flight, self._uncounted
+        if not in_flight or self.ledger is None:
+            yield
+            return
+        if batch is not None:  # started, not counted yet: the read-out must not count it
+            samples, tokens = 0, None
+        elif flight is not None and flight[:2] == (self.batches_started_this_fit, self.batches_this_fit):
+            samples, tokens = flight[2:]  # counted, not ended
+        else:  # no batch of this fit in flight (it started before this callback's batch start, or was dropped)
+            yield
+            return
+        self._uncounted = None
+        self._add_batch(-1, samples, tokens)
+        try:
+            yield
+        finally:
+            self._add_batch(1, samples, tokens)
+            self._uncounted = batch
+
+    def _add_batch(self, sign: int, samples: Any, tokens: Any) -> None:
+        """Add (``sign`` 1) or take out (-1) one batch of ``samples`` and ``tokens``, as :meth:`count_batch`
+        counts them, to the tallies."""
+        self._batches += sign
+        if type(samples) is int:
+            self._samples += sign * samples
+        else:
+            pending = self._pending_samples_now
+            self._pending_samples_now = sign * samples if pending is None else pending + sign * samples
+        if tokens is None:
+            return
+        if isinstance(tokens, torch.Tensor):
+            pending = self._pending_now
+            self._pending_now = (
+                sign * tokens.detach() if pending is None else pending + sign * tokens.detach()
+            )
+        else:
+            self._tokens += sign * int(tokens)
+        self._token_batches += sign
+
     def _reset(self) -> None:
         self.metering = self.in_fit = False
         self.batches_this_fit = 0  # training batches this fit that ended
@@ -1294,6 +1349,8 @@ class EnergyAccount:
         self._batches = self._samples = self._tokens = self._token_batches = 0
         self._uncounted: Any = None  # the batch that started, until its samples are counted
         self._uncounted_index = 0  # its index in the epoch
+        # the batch counted last: (batches started, batches ended) when it was counted, its samples and tokens
+        self._flight: tuple[int, int, Any, Any] | None = None
         self._stall_s = self._loop_s = 0.0
         self._pending_now: torch.Tensor | None = None
         self._pending: dict[tuple[str, ...], torch.Tensor] = {}
