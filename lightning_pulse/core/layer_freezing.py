@@ -887,23 +887,9 @@ class LayerFreezer:
             "unit_params": [list(unit.param_names) for unit in self.units],
             "used": [unit.used for unit in self.units],
             "inputs_from": [list(unit.inputs_from) for unit in self.units],
-            "steps": self.steps,
-            "step_in_window": self.step_in_window,
-            "frozen": list(self.frozen),
-            "stable": list(self.stable),
-            "scores": list(self.scores),
-            "validated_at": list(self.validated_at),
-            "peak_rate": list(self.peak_rate),
-            "checking": list(self.checking),
-            "window_count": list(self.window_count),
+            **self._fields(),
             "snapshot": [[t.detach().clone() for t in item] for item in self.snapshot],
             "rare": list(self.rare),
-            "stats": {
-                "refreshes": self.refreshes,
-                "refresh_hits": self.refresh_hits,
-                "frozen_share_sum": self.frozen_share_sum,
-                "freezes": self.freezes,
-            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
