@@ -1,7 +1,7 @@
 """Study: why trimming StabilityGuard's per-step Python does not bring it under 1% of a char-LM step.
 
 Issue 17 asks for StabilityGuard at most 1% of a char-LM step; the thirty-first pass measured 1.24-1.30% on
-23 ms steps (``benchmarks/results/overhead_charlm_31st*.md``). ``guard_floor.py`` found the loss and
+23 ms steps (``benchmarks/studies/results/overhead_history/overhead_charlm_31st*.md``). ``guard_floor.py`` found the loss and
 gradient-norm read most of the guard's time. This study asks about the rest, the guard's own Python logic: does
 trimming the work it does per step show in the time it takes in a fit?
 
