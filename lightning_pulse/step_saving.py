@@ -19,7 +19,6 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.optim.lr_scheduler import SequentialLR
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
@@ -40,6 +39,7 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_SAMPLER_LENGTH_REFUSAL,
     STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL,
     STEPS_MODE_SCHEDULE_LENGTH_REFUSAL,
+    STEPS_MODE_SEQUENTIAL_MILESTONE_REFUSAL,
     STEPS_MODE_STEP_BOUND_REFUSAL,
     Composition,
     HardSampleSelector,
@@ -65,6 +65,7 @@ from lightning_pulse.core.step_plan import (
     schedule_lengths,
     scheduler_end,
     scheduler_past_end,
+    sequential_part,
 )
 from lightning_pulse.errors import PulseRefusal
 
@@ -555,6 +556,18 @@ class StepSavingLoader:
                         share=cut.share,
                     )
                 )
+            part = sequential_part(config.scheduler, cut.length)  # the scheduler whose course ends there
+            if part is not None and cut.frequency == 1 and part[1] and part[2] == plan.total_steps:
+                raise PulseRefusal(  # the decay built for the planned steps, from its milestone on
+                    STEPS_MODE_SEQUENTIAL_MILESTONE_REFUSAL.format(
+                        scheduler=part[0],
+                        start=part[1],
+                        planned=plan.total_steps,
+                        length=cut.length,
+                        source=cut.source,
+                        share=cut.share,
+                    )
+                )
             refusal = STEPS_MODE_SCHEDULE_LENGTH_REFUSAL.format(
                 scheduler=type(config.scheduler).__name__,
                 length=cut.length,
@@ -565,8 +578,10 @@ class StepSavingLoader:
             if cut.frequency > 1:  # the way out divides the planned steps too
                 every = cut.frequency
                 refusal += f" With `frequency`={every}, divide `estimated_stepping_batches` by {every}."
-            if isinstance(config.scheduler, SequentialLR):
-                refusal += SEQUENTIAL_SCHEDULE_WAY_OUT
+            if part is not None:
+                refusal += SEQUENTIAL_SCHEDULE_WAY_OUT.format(
+                    scheduler=part[0], start=part[1], length=sum(part[1:])
+                )
             raise PulseRefusal(refusal)
 
     def check_resumed_plan(self, trainer: pl.Trainer) -> None:
@@ -586,8 +601,14 @@ class StepSavingLoader:
         change = resumed_plan_change(stream, run_steps)
         if change is None:
             return
-        saved = stream.saved_total_steps
-        if past := scheduler_past_end(trainer.lr_scheduler_configs, trainer.global_step, saved, run_steps):
+        saved, step = stream.saved_total_steps, trainer.global_step
+        accumulate = max(1, int(trainer.accumulate_grad_batches))
+
+        def scheduler_steps(frequency: int, steps: int) -> int:  # as Lightning counts them, per epoch
+            return stream.scheduler_steps(frequency, accumulate, steps)
+
+        configs = trainer.lr_scheduler_configs
+        if past := scheduler_past_end(configs, step, saved, run_steps, scheduler_steps):
             raise PulseRefusal(
                 STEPS_MODE_RESUMED_SCHEDULE_REFUSAL.format(scheduler=past[0], length=past[1], change=change)
             )

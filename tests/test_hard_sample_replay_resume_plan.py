@@ -185,3 +185,83 @@ def test_the_plan_line_of_a_resume_with_the_pulse_cycle_left_out_states_the_step
     assert f"the run's data takes {taken} optimizer steps instead of " in lines[0], lines[0]
     assert f" of the {rest} from step 10 on in light phases" in lines[0], lines[0]
     assert f"but max_epochs=4 ends the run at step {taken}, where its data ends" in lines[0], lines[0]
+
+
+class EveryThirdStepOneCycle(MNIST1DClassifier):
+    """A OneCycleLR Lightning steps every third batch (``"frequency": 3``), built for the planned steps over
+    its frequency (36 // 3 = 12), or a constant schedule (``one_cycle=False``) whose steps are counted."""
+
+    def __init__(self, one_cycle: bool = True) -> None:
+        super().__init__()
+        self.one_cycle = one_cycle
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
+        steps = int(self.trainer.estimated_stepping_batches) // 3
+        schedule = (
+            torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=5e-3, total_steps=steps)
+            if self.one_cycle
+            else torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        )
+        return [optimizer], [{"scheduler": schedule, "interval": "step", "frequency": 3}]
+
+
+def _every_third_fit(fraction, root, ckpt_path=None, checkpoints=False, accumulate=1, one_cycle=True):
+    pl.seed_everything(0)
+    saving = [ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1)] if checkpoints else []
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=fraction), *saving],
+        max_epochs=4,
+        accumulate_grad_batches=accumulate,
+        **trainer_kwargs(default_root_dir=root, enable_checkpointing=checkpoints),
+    )
+    data = ShuffleFreeData(num_samples=1000, batch_size=64)
+    trainer.fit(EveryThirdStepOneCycle(one_cycle), data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_resume_that_steps_a_scheduler_of_frequency_3_to_its_end_and_no_further_is_not_refused(tmp_path):
+    # a review (older than pass 42): the check counted the scheduler's steps as the run's steps over its
+    # frequency (40 // 3 = 13 of its 12), where Lightning counts each epoch's batches (9, 9 and 11 batches
+    # from step 11 on: 3 + 3 + 3 steps after the 3 before), so a resume that ends the OneCycleLR exactly at
+    # its end was refused
+    saved = _every_third_fit(0.5, tmp_path, checkpoints=True)
+    schedule = saved.lr_scheduler_configs[0].scheduler
+    assert (saved.global_step, schedule.total_steps, schedule.last_epoch) == (36, 12, 11)
+    resumed = _every_third_fit(0.62, tmp_path / "resumed", str(next(tmp_path.glob("*step=11.ckpt"))))
+    schedule = resumed.lr_scheduler_configs[0].scheduler
+    assert resumed.global_step == 40 and schedule.last_epoch == schedule.total_steps == 12
+    # one that would step it past its end (43 steps from step 10: "Tried to step 13 times") is still refused
+    with pytest.raises(PulseRefusal, match="the per-step OneCycleLR restored from the checkpoint spans 12"):
+        _every_third_fit(0.8, tmp_path / "longer", str(next(tmp_path.glob("*step=10.ckpt"))))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_scheduler_steps_a_resumed_plan_counts_are_those_lightning_takes(tmp_path, accumulate):
+    # Lightning steps a scheduler of "frequency": 3 after a batch that takes an optimizer step whose number in
+    # its epoch is a multiple of 3: per epoch, and in batches (every 6th under accumulate_grad_batches=2)
+    saved = _every_third_fit(0.5, tmp_path, checkpoints=True, accumulate=accumulate, one_cycle=False)
+    counted = []
+
+    class Count(Callback):
+        def on_train_start(self, trainer, pl_module):
+            stream = _replay(trainer).steps.stream
+            left = stream.plan.run_steps(True) - trainer.global_step
+            schedule = trainer.lr_scheduler_configs[0].scheduler
+            counted.append(schedule.last_epoch + stream.scheduler_steps(3, accumulate, left))
+
+    steps = sorted(int(path.stem.split("step=")[1]) for path in tmp_path.glob("*.ckpt"))
+    assert steps[-1] == saved.global_step
+    taken = saved.lr_scheduler_configs[0].scheduler.last_epoch
+    for step in steps[:-1:2]:
+        pl.seed_everything(0)
+        trainer = pl.Trainer(
+            callbacks=[PulseCycle(**CYCLE), HardSampleReplay(replay_fraction=0.5), Count()],
+            max_epochs=4,
+            accumulate_grad_batches=accumulate,
+            **trainer_kwargs(default_root_dir=tmp_path / "resumed", enable_checkpointing=False),
+        )
+        path = str(next(tmp_path.glob(f"*step={step}.ckpt")))
+        data = ShuffleFreeData(num_samples=1000, batch_size=64)
+        trainer.fit(EveryThirdStepOneCycle(False), data, ckpt_path=path)
+        assert counted[-1] == trainer.lr_scheduler_configs[0].scheduler.last_epoch == taken, step

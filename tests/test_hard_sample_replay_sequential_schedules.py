@@ -111,7 +111,7 @@ def test_a_warm_up_and_cosine_built_for_the_plain_run_is_refused_before_the_firs
     assert trainer is None and model.global_step == 0
     assert f"was built for {PLAIN} steps, the run's length without step-saving replay" in message, message
     assert f"plans 36: the schedule would stop at {share} of its course" in message, message
-    assert "A SequentialLR spans its last milestone plus its last scheduler's length" in message
+    assert f"its CosineAnnealingLR from milestone {WARMUP} ends at step {course}: build that one" in message
     assert 36 / course == pytest.approx(int(share[:-1]) / 100, abs=0.005)
 
 
@@ -272,3 +272,62 @@ def test_a_resume_with_the_hard_sample_replay_left_out_is_refused_before_a_seque
         )
     assert resumed is None and "spans 36 steps" in str(refusal.value)
     assert "this run without a HardSampleReplay(mode='steps') takes 48" in str(refusal.value)
+
+
+class WarmUpCosineFloor(MNIST1DClassifier):
+    """A warm-up of ``warm_up`` steps, a cosine of ``cosine`` steps (``None``: the planned steps, with the
+    warm-up not taken off), then (``floor``) the learning rate held at a tenth from the plain run's end on."""
+
+    def __init__(self, warm_up: int, cosine: int | None = None, floor: bool = False) -> None:
+        super().__init__()
+        self.warm_up, self.cosine, self.floor = warm_up, cosine, floor
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        length = self.cosine or int(self.trainer.estimated_stepping_batches)
+        schedules = [
+            lr_scheduler.LinearLR(optimizer, 0.1, total_iters=self.warm_up),
+            lr_scheduler.CosineAnnealingLR(optimizer, T_max=length, eta_min=0.005),
+        ]
+        if self.floor:
+            schedules.append(lr_scheduler.LambdaLR(optimizer, lambda _: 0.1))
+        milestones = [self.warm_up, self.warm_up + length][: len(schedules) - 1]
+        schedule = lr_scheduler.SequentialLR(optimizer, schedules, milestones=milestones)
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
+def test_the_sequential_way_out_names_the_cosine_a_held_floor_follows_not_the_floor(tmp_path):
+    # a review: the added sentence said "its last scheduler's length" where a constant LambdaLR (no length)
+    # follows the cosine of 43 steps after the warm-up of 5, which ends at the plain run's 48
+    model, trainer = WarmUpCosineFloor(WARMUP, PLAIN - WARMUP, floor=True), None
+    with pytest.raises(PulseRefusal, match="HardSampleReplay: the per-step SequentialLR") as refusal:
+        trainer = _fit(model, tmp_path, _callbacks())
+    message = str(refusal.value)
+    assert trainer is None and f"was built for {PLAIN} steps, the run's length without" in message, message
+    assert message.endswith(
+        f"A SequentialLR restarts each scheduler at its milestone, and its CosineAnnealingLR from milestone "
+        f"{WARMUP} ends at step {PLAIN}: build that one for `estimated_stepping_batches` less {WARMUP}."
+    ), message
+
+
+def test_a_cosine_built_for_the_planned_steps_with_its_warm_up_not_taken_off_is_refused_as_such(tmp_path):
+    # a review: a warm-up of 12 then a cosine of the 36 planned steps (T_max=estimated_stepping_batches, the
+    # warm-up not taken off) spans 48, the plain run's length: the refusal said only "built for 48 steps, the
+    # run's length without step-saving replay", and its way out ("build its length from
+    # estimated_stepping_batches") was what the module did
+    model, trainer = WarmUpCosineFloor(12), None
+    with pytest.raises(PulseRefusal, match="HardSampleReplay: the per-step SequentialLR's") as refusal:
+        trainer = _fit(model, tmp_path, _callbacks())
+    assert trainer is None and model.global_step == 0
+    assert str(refusal.value) == (
+        "HardSampleReplay: the per-step SequentialLR's CosineAnnealingLR starts at milestone 12 and was built "
+        "for 36 steps: the run's 36 planned steps (`estimated_stepping_batches`) with the milestone not taken "
+        "off, or, with it, the SequentialLR built for 48, the run's length without step-saving replay "
+        "(max_epochs=4 of 12 optimizer steps). Either way the SequentialLR ends at step 48, and mode='steps' "
+        "plans 36: the schedule would stop at 75% of its course. Build its CosineAnnealingLR for "
+        "`self.trainer.estimated_stepping_batches - 12` in configure_optimizers, or use mode='batch'."
+    )
+    # built so, it trains the planned steps to the cosine's floor
+    trainer = _fit(WarmUpCosineFloor(12, 36 - 12), tmp_path / "fixed", _callbacks())
+    assert trainer.global_step == 36
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.005, abs=1e-9)

@@ -232,10 +232,21 @@ STEPS_MODE_SCHEDULE_LENGTH_REFUSAL = (
     "its course. Build its length from `self.trainer.estimated_stepping_batches` in configure_optimizers (it "
     "holds the {planned} planned steps), or use mode='batch'."
 )
-# a SequentialLR restarts each scheduler at its milestone: the planned steps are its span, not its last length
+# a SequentialLR restarts each scheduler at its milestone: the planned steps are its span, not the length of
+# the scheduler whose course ends it (the decay: a held floor may follow it)
 SEQUENTIAL_SCHEDULE_WAY_OUT = (
-    " A SequentialLR spans its last milestone plus its last scheduler's length: build that one for "
-    "`estimated_stepping_batches` less the milestone."
+    " A SequentialLR restarts each scheduler at its milestone, and its {scheduler} from milestone {start} "
+    "ends at step {length}: build that one for `estimated_stepping_batches` less {start}."
+)
+# the decay's length is the planned steps and its milestone plus that is the unplanned run's: either way it
+# is built for `estimated_stepping_batches` less the milestone
+STEPS_MODE_SEQUENTIAL_MILESTONE_REFUSAL = (
+    "HardSampleReplay: the per-step SequentialLR's {scheduler} starts at milestone {start} and was built for "
+    "{planned} steps: the run's {planned} planned steps (`estimated_stepping_batches`) with the milestone "
+    "not taken off, or, with it, the SequentialLR built for {length}, the run's length without step-saving "
+    "replay ({source}). Either way the SequentialLR ends at step {length}, and mode='steps' plans {planned}: "
+    "the schedule would stop at {share:.0%} of its course. Build its {scheduler} for "
+    "`self.trainer.estimated_stepping_batches - {start}` in configure_optimizers, or use mode='batch'."
 )
 # a length that is both the planned steps left undivided and the unplanned ones over the frequency: either way
 # the run steps it planned // frequency times

@@ -694,6 +694,16 @@ class StepSavingStream:
         next pass and Lightning's restored epoch is closed."""
         return self.resumed_at_pass_end or self.resumed_after_cut
 
+    def scheduler_steps(self, frequency: int, accumulate: int, steps: int) -> int:
+        """The steps Lightning gives a per-step LR scheduler of ``frequency`` over the plan's next ``steps``
+        optimizer steps from where the fit stands (:func:`epoch_scheduler_steps` over each planned pass, the
+        first from the batch the resume stands at), then over plain passes past the planned data."""
+        assert self.plan is not None
+        done = int((self._resume or {}).get("batches", 0))
+        passes = [(done, done + len(sizes)) for sizes in self.plan.batch_sizes[:1]]
+        passes += [(0, len(sizes)) for sizes in self.plan.batch_sizes[1:]]
+        return run_scheduler_steps(passes, len(self._plain_pass), frequency, accumulate, steps)
+
     @property
     def has_restored_state(self) -> bool:
         """Whether a checkpoint's stream state was restored (the plan goes on from it)."""
@@ -1049,6 +1059,38 @@ def resumed_plan_change(stream: StepSavingStream, run_steps: int) -> str | None:
     return f"the checkpoint's plan was {saved} optimizer steps, this run plans {run_steps}: {cause}"
 
 
+def epoch_scheduler_steps(done: int, stop: int, batches: int, frequency: int, accumulate: int) -> int:
+    """The steps Lightning gives a per-step LR scheduler of ``frequency`` (its config's ``"frequency"``)
+    over batches ``done + 1`` to ``stop`` of an epoch of ``batches``. Lightning steps it after a batch that
+    takes an optimizer step (it closes an accumulation window: every ``accumulate``-th batch of the epoch,
+    and the epoch's last) whose number in the epoch is a multiple of ``frequency``: its count restarts each
+    epoch, and under accumulation it counts batches, not optimizer steps (``"frequency": 2`` with
+    ``accumulate_grad_batches=2`` steps it at every optimizer step)."""
+    every = math.lcm(max(1, accumulate), max(1, frequency))
+    steps = max(0, stop // every - done // every)
+    if done < stop == batches and batches % max(1, frequency) == 0 and batches % max(1, accumulate):
+        steps += 1  # the epoch's last batch closes a short window
+    return steps
+
+
+def run_scheduler_steps(
+    passes: Iterable[tuple[int, int]], plain_batches: int, frequency: int, accumulate: int, steps: int
+) -> int:
+    """The steps Lightning gives a per-step LR scheduler of ``frequency`` over a run's next ``steps``
+    optimizer steps: over ``passes`` (each ``(batches trained before, batches)`` of an epoch), then over
+    passes of ``plain_batches`` (a run past its planned data), up to where the steps run out."""
+    accumulate, counted = max(1, accumulate), 0
+    plain = itertools.repeat((0, plain_batches)) if plain_batches > 0 else ()
+    for done, batches in itertools.chain(passes, plain):
+        if steps <= 0:
+            break
+        windows = -(-batches // accumulate) - done // accumulate  # optimizer steps from batch `done` on
+        stop = batches if windows <= steps else (done // accumulate + steps) * accumulate
+        counted += epoch_scheduler_steps(done, stop, batches, frequency, accumulate)
+        steps -= max(0, windows)
+    return counted
+
+
 def scheduler_end(configs: Iterable[Any], step: int, planned_steps: int) -> tuple[str, int, int, int] | None:
     """``(name, length, steps left, optimizer step)`` of the per-step LR scheduler (Lightning's scheduler
     configs) whose steps run out first from optimizer ``step`` on, with the optimizer step where they do,
@@ -1074,20 +1116,34 @@ def scheduler_end(configs: Iterable[Any], step: int, planned_steps: int) -> tupl
 
 
 def scheduler_past_end(
-    configs: Iterable[Any], step: int, saved_total: int, run_steps: int
+    configs: Iterable[Any],
+    step: int,
+    saved_total: int,
+    run_steps: int,
+    scheduler_steps: Callable[[int, int], int] | None = None,
 ) -> tuple[str, int] | None:
     """``(name, length)`` of a restored per-step LR scheduler (Lightning's scheduler configs: ``interval``,
     ``frequency``, ``scheduler``) that the saved plan of ``saved_total`` steps stepped within its length
     and a resumed run of ``run_steps`` steps, at optimizer ``step`` now, steps past it (``OneCycleLR``
     raises there mid-run); ``None`` where none does. Its length and steps so far are its
-    :func:`schedule_course`'s, one per ``frequency`` optimizer steps."""
+    :func:`schedule_course`'s. ``scheduler_steps(frequency, steps)``: the steps Lightning gives a scheduler
+    of that ``frequency`` over the run's next ``steps`` optimizer steps (:meth:`StepSavingStream.
+    scheduler_steps`: per epoch, as Lightning counts); ``None``: one per ``frequency`` optimizer steps of the
+    run (a run whose epochs are not known here). The saved plan's epochs are not in the checkpoint: its
+    steps are counted over the first ``saved_total`` steps of this run's."""
+    if scheduler_steps is None:
+
+        def scheduler_steps(every: int, steps: int) -> int:
+            return (step + steps) // every - step // every
+
     for config in configs:
         course = schedule_course(config.scheduler)
         if config.interval != "step" or course is None:
             continue
         every, (length, left) = max(1, int(config.frequency or 1)), course
-        stepped = length - left - step // every  # its steps before this fit's optimizer step 0
-        if stepped + saved_total // every <= length < stepped + run_steps // every:
+        position = length - left  # its steps so far
+        saved, run = (scheduler_steps(every, total - step) for total in (saved_total, run_steps))
+        if position + saved <= length < position + run:
             return type(config.scheduler).__name__, length
     return None
 
@@ -1164,6 +1220,26 @@ def schedule_lengths(scheduler: Any) -> set[int]:
             stop = milestones[index] if index < len(milestones) else math.inf
             found |= {start + length for length in lengths if start + length <= stop}
     return found
+
+
+def sequential_part(scheduler: Any, length: int) -> tuple[str, int, int] | None:
+    """``(name, milestone, own length)`` of the scheduler inside a ``SequentialLR`` whose course ends at
+    ``length`` on the SequentialLR's count (as :func:`schedule_lengths` reads it: the milestone plus one of
+    its lengths, else one of its lengths alone), the latest to start where several do: the one that ends the
+    decay, which a held floor (a ``ConstantLR``, a constant ``LambdaLR``) may follow. ``None``: none, or not
+    a SequentialLR."""
+    milestones, found = _milestones(scheduler), None
+    if milestones is None:
+        return None
+    for shifted in (True, False):
+        for index, child in enumerate(getattr(scheduler, "_schedulers", None) or ()):
+            start = milestones[index - 1] if index else 0
+            for own in schedule_lengths(child):
+                if length == own + start * shifted:
+                    found = (type(child).__name__, start, own)
+        if found is not None:
+            return found
+    return None
 
 
 def schedule_course(scheduler: Any) -> tuple[int, int] | None:
