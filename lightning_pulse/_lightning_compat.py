@@ -307,6 +307,41 @@ def pass_over_plateau_update(epoch_loop: Any, monitors: set[str] | frozenset[str
     remove = _wrap_on_instance(epoch_loop, "update_lr_schedulers", wrap)
 
 
+def after_plateau_updates(trainer: pl.Trainer, hook: Callable[[list[tuple[int, Any, Any]]], Any]) -> None:
+    """Call at a batch end: ``hook(plateaus)`` right after each of Lightning's updates of the
+    ``ReduceLROnPlateau`` schedulers that follow this batch's batch-end hooks (the step-interval ones in the
+    epoch loop's ``on_advance_end``; at an epoch's last batch, the epoch-interval ones in the fit loop's),
+    with ``(index in lr_scheduler_configs, scheduler, index of its optimizer or None)`` for each plateau
+    scheduler config. Nothing is wrapped where the fit has none. ``update_lr_schedulers`` is wrapped on the
+    epoch loop instance and removes itself at the first call of a later batch (at its step update already
+    where no plateau scheduler is stepped per epoch), or a later fit."""
+    configs = trainer.lr_scheduler_configs
+    loop = trainer.fit_loop.epoch_loop
+    if not any(config.reduce_on_plateau for config in configs):
+        return
+    held = {id(optimizer): index for index, optimizer in enumerate(trainer.optimizers)}
+    plateaus = [
+        (index, c.scheduler, held.get(id(c.scheduler.optimizer)))
+        for index, c in enumerate(configs)
+        if c.reduce_on_plateau
+    ]
+    per_epoch = any(config.reduce_on_plateau and config.interval == "epoch" for config in configs)
+    batch = loop.batch_progress.total.processed  # this batch's; a later batch's is higher
+
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
+        def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+            original(interval, update_plateau_schedulers=update_plateau_schedulers)
+            this_batch = state["active"] and loop.batch_progress.total.processed == batch
+            if not this_batch or (interval == "epoch" or not per_epoch) and update_plateau_schedulers:
+                remove()
+            if this_batch and update_plateau_schedulers:
+                hook(plateaus)
+
+        return update_lr_schedulers
+
+    remove = _wrap_on_instance(loop, "update_lr_schedulers", wrap)
+
+
 def _monitors(trainer: pl.Trainer) -> dict[str, list[str]]:
     """The training keys the fit's monitors read (:func:`training_key_monitors`), each with its monitors."""
     found: dict[str, list[str]] = {}
@@ -1945,6 +1980,23 @@ def backward_loss_divisor(trainer: pl.Trainer, pl_module: pl.LightningModule) ->
     if scaler is not None and scaler.is_enabled() and isinstance(scale, torch.Tensor):
         divided_by = divided_by / scale.detach().clone()
     return divided_by
+
+
+def loss_scale(trainer: pl.Trainer) -> Callable[[], torch.Tensor | None] | None:
+    """A reader of the factor the run's GradScaler multiplies the loss by before its backward (``16-mixed``:
+    the precision plugin's ``pre_backward`` scales the loss, ``unscale_`` divides every gradient by it before
+    the step), or ``None`` where the run has no enabled scaler. Call it at backward time: the scaler makes its
+    scale tensor at its first ``scale()``, and ``update()`` changes it in place after a step. It gives the
+    scaler's own tensor (no copy, no host sync), or ``None`` before the first ``scale()``."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return functools.partial(_scale_of, scaler)
+
+
+def _scale_of(scaler: Any) -> torch.Tensor | None:
+    scale = getattr(scaler, "_scale", None)  # private to torch's GradScaler; None until its first scale()
+    return scale if isinstance(scale, torch.Tensor) else None
 
 
 # ---------------------------------------------------------------------- HardSampleReplay added on a resume

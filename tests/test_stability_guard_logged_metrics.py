@@ -1,7 +1,8 @@
 """What a StabilityGuard skip or rollback does to what the module logs and to its torchmetrics metrics (sweep
 s41, metrics findings 2 and 3): a skipped step's logged values leave Lightning's epoch figures, and a rollback
 leaves the module's metric states alone. A step-interval ``ReduceLROnPlateau`` never reads a skipped step's
-value, and a rollback leaves it at the snapshot's state (sweep s42 "optim", problem 2)."""
+value, and a rollback leaves it at the snapshot's state (sweep s42 "optim", problem 2), the run's at the
+snapshot's step (pass 43)."""
 
 from __future__ import annotations
 
@@ -250,6 +251,44 @@ def test_a_rollback_leaves_a_step_interval_plateau_scheduler_at_its_snapshots_st
     assert epochs.dropped == {13, 14, 15, 16}
     assert len(after.seen) == 5 and after.seen[:4] == [after.saved] * 4  # the batch starts of steps 14 to 17
     assert after.seen[4]["last_epoch"] == after.saved["last_epoch"] + 1  # step 18's: step 17 applied, counted
+
+
+class _StatesAtBatchStart(Callback):
+    """Listed after the guard: the plateau scheduler's state at every batch start, by ``global_step`` (the
+    first seen for a step: the run's before any rollback)."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, dict] = {}
+        self.seen: list[tuple[int, dict]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        state = _plateau_state(trainer)
+        self.states.setdefault(trainer.global_step, state)
+        self.seen.append((trainer.global_step, state))
+
+
+@pytest.mark.parametrize(
+    ("interval", "snapshot_every", "damage_at", "to_step"),
+    [("step", 6, 9, 6), ("step", 5, 13, 10), ("epoch", 5, 13, 10)],
+)
+def test_a_rollback_returns_a_plateau_scheduler_to_the_runs_state_at_the_snapshots_step(
+    tmp_path, interval, snapshot_every, damage_at, to_step
+):
+    """A snapshot taken in a batch end came before Lightning's update of the plateau schedulers of that
+    batch (per step: after every batch-end hook; per epoch: after the epoch's end), so a rollback left them
+    one reading behind the run at the snapshot's step: ``last_epoch`` 5 for 6, ``num_bad_epochs`` 2 for 0 and
+    the rate 0.05 where the run had cut it to 0.025 (a review, pass 43). Now the snapshot takes in that
+    reading and the rate it set."""
+    pl.seed_everything(0)  # the module's weights too: the readings, hence the rate's cuts, are fixed
+    module = _Plateau(interval, damage_at=damage_at)
+    guard = StabilityGuard(snapshot_every=snapshot_every, rollback_margin=2, skip_after_rollback=3)
+    states = _StatesAtBatchStart()
+    _fit(tmp_path, module, _data(), guard, states)
+    assert guard.rollbacks == 1 and guard.events[-1]["to_step"] == to_step
+    after = [state for step, state in states.seen if step > damage_at][0]  # the first batch start after it
+    assert after == states.states[to_step]
+    if to_step == 6:  # Lightning's update after the snapshot's batch cut the rate
+        assert after["lr"] == 0.025 and states.states[5]["lr"] == 0.05
 
 
 @pytest.mark.parametrize("interval", ["epoch", "step"])

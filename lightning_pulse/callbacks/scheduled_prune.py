@@ -197,7 +197,8 @@ class ScheduledPrune(compat.PulseStateKey, Callback):
         prune_setup.resolve_schedule(self.schedule, total, trainer.global_step, manual_optimizers)
         # here, not at setup: a validation sanity check (it runs after setup) creates a lazy module's weights
         errors.refuse_uninitialized_parameters(pl_module, "ScheduledPrune")
-        self.core.check_optimizers(trainer.optimizers)  # ZeRO's buckets; distillation: mixed `maximize`
+        # ZeRO's buckets; distillation: mixed `maximize` refused, the GradScaler's scale read at each backward
+        self.core.check_optimizers(trainer.optimizers, compat.loss_scale(trainer))
         # read here, not at setup: layers built in configure_model, and a backbone BackboneFinetuning freezes at
         # fit start, exist (and are frozen) only now, and configure_model may compile a part
         # a resumed run keeps the set its start read (a GradientCache may have frozen layers meanwhile)

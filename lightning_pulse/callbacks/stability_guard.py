@@ -281,8 +281,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         told after the guard's batch end, at the end of every callback's)."""
         probe = cycle.last_probe if (cycle := pulse_cycle_of(trainer)) is not None else {}
         if self.core.request_maintain_snapshot(change, probe, self._record, trainer.global_step):
-            take = partial(self._take_snapshot, trainer, pl_module)
-            self._moments.step_ends(trainer, take, told_late=True)  # after the guard's batch end of the step
+            self._moments.step_ends(trainer, partial(self._take_snapshot, trainer, pl_module), told_late=True)
 
     def on_pulse_parameters_replaced(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, remap: Any
@@ -339,7 +338,8 @@ class StabilityGuard(compat.PulseStateKey, Callback):
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Snapshot the state unless a rank holds values a rollback must not return to (said once)."""
         state, sums = self._training_state(trainer), self._sum_over_ranks(trainer)
-        self.core.take_snapshot(trainer.global_step, pl_module, *state, rank_zero_warn, sums)
+        if self.core.take_snapshot(trainer.global_step, pl_module, *state, rank_zero_warn, sums):
+            compat.after_plateau_updates(trainer, self.snapshots.newest().take_plateau_readings)
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
         """Back to the newest snapshot ``rollback_margin`` steps before the incident; go on, or save and raise."""

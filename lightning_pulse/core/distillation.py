@@ -7,6 +7,10 @@ the student's forward output in an identity whose backward adds exactly that gra
 the user's loss and everything logged stay as they were; the autograd graph is the one the student's own
 forward built, so DDP, gradient accumulation and mixed precision see an ordinary backward.
 
+Under a GradScaler (``16-mixed``) the loss is multiplied by the scale before its backward, and every gradient
+divided by it before the step: the term is added scaled too (:attr:`LogitDistiller.loss_scale`), else it
+reached the step divided by the scale (65536: none at all).
+
 Where the optimizers ascend the loss the module returns (torch's ``maximize=True``), they negate every
 gradient, the added one too: the term is then added negated, so that they descend the KL as they would for a
 module descending its loss (:attr:`LogitDistiller.maximized`, read at train start by :class:`DistillWindow`).
@@ -17,6 +21,7 @@ Cost: one teacher forward (no grad) per training forward while attached; memory 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,15 +95,21 @@ class _AddDistillationGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, student: torch.Tensor, teacher: torch.Tensor, weight: float, temperature: float
+        ctx: Any,
+        student: torch.Tensor,
+        teacher: torch.Tensor,
+        weight: float,
+        temperature: float,
+        loss_scale: Callable[[], torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         ctx.save_for_backward(student, teacher)
         ctx.weight = weight
         ctx.temperature = temperature
+        ctx.loss_scale = loss_scale
         return student.view_as(student)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         student, teacher = ctx.saved_tensors
         temperature = ctx.temperature
         positions = student.numel() // student.shape[-1]
@@ -106,7 +117,10 @@ class _AddDistillationGradient(torch.autograd.Function):
         p_teacher = torch.softmax(teacher.float() / temperature, dim=-1)
         # d/ds [T^2 * mean_n KL(p_t || softmax(s/T))] = T * (p_s - p_t) / N
         extra = ctx.weight * temperature * (p_student - p_teacher) / positions
-        return grad_output + extra.to(grad_output.dtype), None, None, None
+        # grad_output is the scaled loss's: read at backward, after the scaler's scale() made its tensor
+        if ctx.loss_scale is not None and (scale := ctx.loss_scale()) is not None:
+            extra = extra * scale
+        return grad_output + extra.to(grad_output.dtype), None, None, None, None
 
 
 class LogitDistiller:
@@ -127,6 +141,9 @@ class LogitDistiller:
     Attributes:
         maximized: the optimizers ascend the loss the module returns (torch's ``maximize=True``): the term's
             gradient is added negated, since they negate it with the rest, so that they descend the KL.
+        loss_scale: reads the factor the loss is multiplied by before its backward (a GradScaler's scale
+            tensor, ``16-mixed``; ``None`` without one): the term's gradient is multiplied by it too, as the
+            scaler divides every gradient by it before the step. Not pickled.
     """
 
     def __init__(
@@ -143,6 +160,10 @@ class LogitDistiller:
         self._loss_total = torch.zeros((), dtype=torch.float64)
         self._handle: Any = None
         self.maximized = False
+        self.loss_scale: Callable[[], torch.Tensor | None] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "loss_scale": None}
 
     @property
     def attached(self) -> bool:
@@ -222,7 +243,8 @@ class LogitDistiller:
             + distillation_loss(output.detach(), teacher_output, self.temperature).double()
         )
         weight = -self.weight if self.maximized else self.weight  # see `maximized`
-        return _AddDistillationGradient.apply(output, teacher_output.detach(), weight, self.temperature)
+        teacher_output, scale = teacher_output.detach(), self.loss_scale
+        return _AddDistillationGradient.apply(output, teacher_output, weight, self.temperature, scale)
 
 
 def teacher_from_state(
@@ -307,6 +329,7 @@ class DistillWindow:
         # convolution's). Not pickled: a checkpoint holds the teacher's tensors only.
         self._last: tuple[int | None, nn.Module] | None = None
         self.maximized = False  # the optimizers ascend the loss (read_direction): each window's distiller's
+        self.loss_scale: Callable[[], torch.Tensor | None] | None = None  # the run's GradScaler's: each one's
 
     def read_direction(self, optimizers: Any) -> None:
         """At train start, before a restored window reopens: whether ``optimizers`` ascend the loss the module
@@ -333,7 +356,7 @@ class DistillWindow:
         distiller = teacher if isinstance(teacher, LogitDistiller) else LogitDistiller(student, teacher)
         distiller.weight = self.config.weight / max(1, accumulation)
         distiller.temperature = self.config.temperature
-        distiller.maximized = self.maximized
+        distiller.maximized, distiller.loss_scale = self.maximized, self.loss_scale
         distiller.attach()
         self.distiller, self.event_step = distiller, event_step
         self.steps_left = self.config.steps if steps_left is None else steps_left
@@ -382,7 +405,7 @@ class DistillWindow:
         return {**self.distiller.state_dict(), "steps_left": self.steps_left, "event_step": self.event_step}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_last": None}
+        return {**self.__dict__, "_last": None, "loss_scale": None}
 
     def restore(
         self,

@@ -266,14 +266,19 @@ class PruneEvents:
         for text in texts:
             self.warn(text)
 
-    def check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def check_optimizers(
+        self, optimizers: Sequence[torch.optim.Optimizer], loss_scale: Callable[[], Any] | None = None
+    ) -> None:
         """At train start: refuse optimizers the mode cannot run next to
         (:func:`~lightning_pulse.core.prune_setup.check_optimizers`) and, with distillation, read which way
         they move the loss (:meth:`DistillWindow.read_direction
-        <lightning_pulse.core.distillation.DistillWindow.read_direction>`; mixed ``maximize`` refused)."""
+        <lightning_pulse.core.distillation.DistillWindow.read_direction>`; mixed ``maximize`` refused) and
+        keep the run's ``loss_scale`` reader (:attr:`LogitDistiller.loss_scale
+        <lightning_pulse.core.distillation.LogitDistiller.loss_scale>`)."""
         check_optimizers(self.pruner.mode, optimizers)
         if self.window is not None:
             self.window.read_direction(optimizers)
+            self.window.loss_scale = loss_scale
 
     def start_training(
         self, model: nn.Module, selection: LayerSelection, step: int, accumulation: int

@@ -305,6 +305,22 @@ class TrainingSnapshot:
             return len(schedulers) == len(self.schedulers)
         return scheduler_kinds(schedulers) == self.scheduler_kinds
 
+    def take_plateau_readings(self, plateaus: Sequence[tuple[int, Any, int | None]]) -> None:
+        """Copy in the state of ``ReduceLROnPlateau`` schedulers stepped after the snapshot in the batch it was
+        taken in (``(index among the snapshot's schedulers, scheduler, index of its optimizer or None)``), and
+        the rates they set in their optimizers' groups. Lightning steps them after every batch-end hook, where
+        a snapshot is taken: without their reading of that batch, a rollback left them one reading behind the
+        run at the snapshot's step (``num_bad_epochs`` 2 for 0, the rate cut a step early)."""
+        for index, scheduler, optimizer_index in plateaus:
+            if index >= len(self.schedulers):
+                continue
+            self.schedulers[index] = copy_to_cpu(scheduler.state_dict())
+            saved = self.optimizers[optimizer_index] if optimizer_index is not None else None
+            groups = saved.get("param_groups") if isinstance(saved, dict) else None
+            if groups is not None and len(groups) == len(scheduler.optimizer.param_groups):
+                for group, live in zip(groups, scheduler.optimizer.param_groups):
+                    group["lr"] = copy_to_cpu(live["lr"])
+
 
 #: the fields of a :class:`TrainingSnapshot` a checkpoint carries (:func:`snapshot_state`); the classes it
 #: records are left out: a checkpoint holds plain data, and a resume restores these optimizers' states anyway
