@@ -1485,7 +1485,13 @@ class StabilityCore:
         self.left_out = None  # the state is the snapshot's now, and finite
         self.applied_through = target.step  # the steps applied since are undone
         if not predates:
-            warn(f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one.")
+            why = ""
+            if self.fit_start and target.step == self.fit_start:  # a healthy checkpoint carries no ring
+                why = (
+                    f" (this fit resumed at step {target.step} from a checkpoint saved with no incident open, "
+                    "which carries no snapshots: the uninterrupted run would return to an older one)"
+                )
+            warn(f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one{why}.")
         self.detector.load_state_dict(target.extra["detector"])
         restore_carried_tensors(model, target.extra.get("carried", {}))
         return target, self.policy.rewind(target.extra)
