@@ -25,6 +25,7 @@ from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
 from lightning_pulse.core.replay import (
     CUT_EPOCH_WAY_OUT_BY_EPOCHS,
     CUT_EPOCH_WAY_OUT_BY_STEPS,
+    SCHEDULE_FREQUENCY_WAY_OUT,
     SEQUENTIAL_SCHEDULE_WAY_OUT,
     STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL,
     STEPS_MODE_CLOCK_REFUSAL,
@@ -61,9 +62,12 @@ from lightning_pulse.core.step_plan import (
     plan_settings,
     plan_summary,
     resumed_plan_change,
+    run_scheduler_steps,
     schedule_course,
     schedule_lengths,
+    schedule_position,
     scheduler_end,
+    scheduler_outrun,
     scheduler_past_end,
     sequential_part,
 )
@@ -118,41 +122,56 @@ class UnplannedLengths:
         rounded = f"{source}, {self.plain_steps} in all, counted with the epochs' steps rounded down"
         return lengths + [(steps, rounded) for steps in sorted(rounded_down)]
 
-    def cut_short(self, config: Any, planned: int) -> ScheduleCut | None:
+    def cut_short(
+        self, config: Any, planned: int, steps: Callable[[int], int] | None = None
+    ) -> ScheduleCut | None:
         """The cut of the LR scheduler ``config``'s course when it is a per-step schedule built for an
         unplanned length that the ``planned`` steps fall short of, else ``None`` (an epoch-interval one keeps
-        its epochs). The planned run steps it ``planned // frequency`` times: a length of the unplanned run
-        over the frequency that the planned steps still reach (48 planned of a plain 50, ``T_max=50 // 4``,
-        stepped 12 times) is its whole course, not a cut, and one the unplanned run stops short of as well
-        (``T_max=13``, stepped 12 times in either run) is no cut of the plan's."""
+        its epochs). The planned run steps it its steps so far plus ``steps(frequency)``, the steps Lightning
+        gives it over the plan's rest (:meth:`~lightning_pulse.core.step_plan.StepSavingStream.
+        scheduler_steps`: per epoch, in batches under accumulation; ``None``: ``planned // frequency`` in all,
+        a plan whose epochs are not known here). A length of the unplanned run over the frequency that the
+        planned steps still reach (48 planned of a plain 50, ``T_max=50 // 4``, stepped 12 times) is its whole
+        course, not a cut, and one the unplanned run stops short of as well (``T_max=13``, stepped 12 times in
+        either run; ``T_max=100 // 4`` over two plain epochs of 50 batches, stepped 12 times in each) is no
+        cut of the plan's."""
         if config.interval != "step":
             return None
         frequency = max(1, int(config.frequency))
-        stepped = planned // frequency
+        if steps is None:
+            stepped = planned // frequency
+        else:
+            stepped = schedule_position(config.scheduler) + steps(frequency)
         course = schedule_course(config.scheduler)
         for length in sorted(schedule_lengths(config.scheduler)):
             found = self.source_of(length, frequency)
             # cut only where the plan steps it fewer times than the unplanned run would have: a length
             # rounded up (T_max=13 for 50 // 4) that the plain run stops short of too is not the plan's doing
-            if found is not None and stepped < min(length, found[1] // frequency):
+            if found is not None and stepped < min(length, self.scheduler_steps(frequency, found[1])):
                 divided = frequency if length != found[1] else 1
                 # the share of its whole course: a SequentialLR's cosine of T_max=64 after a warm-up of 5 ends
                 # at 69
                 whole = max(length, course[0]) if course is not None else length
-                return ScheduleCut(length, found[0], stepped / whole, divided)
+                return ScheduleCut(length, found[0], stepped / whole, divided, stepped)
         return None
+
+    def scheduler_steps(self, frequency: int, steps: int) -> int:
+        """The steps Lightning gives a per-step scheduler of ``frequency`` over ``steps`` optimizer steps of
+        the unplanned run's plain epochs (:func:`~lightning_pulse.core.step_plan.run_scheduler_steps`)."""
+        return run_scheduler_steps((), self.batches, frequency, self.accumulate, steps)
 
 
 @dataclass(frozen=True)
 class ScheduleCut:
     """A per-step schedule the plan would stop part-way: its ``length`` in scheduler steps, where that comes
     from (``source``), the ``share`` of its course the planned run reaches, and the ``frequency`` its length
-    was divided by (1: none)."""
+    was divided by (1: none), and the times the planned run steps it (``stepped``)."""
 
     length: int
     source: str
     share: float
     frequency: int
+    stepped: int = 0
 
 
 class StepSavingLoader:
@@ -301,9 +320,11 @@ class StepSavingLoader:
         )
         unplanned = UnplannedLengths(plan.plain_steps, max_epochs, plain_batches, accumulate, max_steps)
         # a per-step schedule whose length is the unplanned max_steps (over its `frequency`, if any)
-        configs = trainer.lr_scheduler_configs
+        configs, steps = trainer.lr_scheduler_configs, self.planned_scheduler_steps(trainer, max_epochs)
         cuts = [
-            cut for config in configs if (cut := unplanned.cut_short(config, plan.total_steps)) is not None
+            cut
+            for config in configs
+            if (cut := unplanned.cut_short(config, plan.total_steps, steps)) is not None
         ]
         if max_epochs is None and cuts:
             refusal = STEPS_MODE_STEP_BOUND_REFUSAL.format(
@@ -540,8 +561,9 @@ class StepSavingLoader:
         plan, unplanned = self.plan, self._unplanned
         if plan is None or unplanned is None:
             return
+        steps = self.planned_scheduler_steps(trainer, unplanned.max_epochs)
         for config in trainer.lr_scheduler_configs:
-            cut = unplanned.cut_short(config, plan.total_steps)
+            cut = unplanned.cut_short(config, plan.total_steps, steps)
             if cut is None:
                 continue
             if cut.frequency > 1 and cut.length == plan.total_steps:  # estimated_stepping_batches, undivided?
@@ -552,7 +574,7 @@ class StepSavingLoader:
                         length=cut.length,
                         planned=plan.total_steps,
                         source=cut.source,
-                        stepped=plan.total_steps // cut.frequency,
+                        stepped=cut.stepped,
                         share=cut.share,
                     )
                 )
@@ -575,14 +597,25 @@ class StepSavingLoader:
                 planned=plan.total_steps,
                 share=cut.share,
             )
-            if cut.frequency > 1:  # the way out divides the planned steps too
-                every = cut.frequency
-                refusal += f" With `frequency`={every}, divide `estimated_stepping_batches` by {every}."
+            if (every := max(1, int(config.frequency))) > 1 and cut.stepped != plan.total_steps:
+                refusal += SCHEDULE_FREQUENCY_WAY_OUT.format(frequency=every, stepped=cut.stepped)
             if part is not None:
                 refusal += SEQUENTIAL_SCHEDULE_WAY_OUT.format(
                     scheduler=part[0], start=part[1], length=sum(part[1:])
                 )
             raise PulseRefusal(refusal)
+
+    def planned_scheduler_steps(self, trainer: pl.Trainer, max_epochs: int | None) -> Callable[[int], int]:
+        """The steps Lightning gives a per-step scheduler of a ``frequency`` over the plan's steps from the
+        fit's on (:meth:`StepSavingStream.scheduler_steps`), where ``max_epochs`` (``None``: unbounded) ends
+        the run when its planned data does."""
+        plan, step = self.plan, trainer.global_step
+        assert plan is not None
+        left, accumulate = (
+            plan.run_steps(max_epochs is not None) - step,
+            max(1, trainer.accumulate_grad_batches),
+        )
+        return lambda frequency: self.stream.scheduler_steps(frequency, accumulate, left)
 
     def check_resumed_plan(self, trainer: pl.Trainer) -> None:
         """On a resume whose plan differs in length from the checkpoint's (a PulseCycle added or removed, or
@@ -667,7 +700,7 @@ class StepSavingLoader:
         Plan the rest of the run again from the step it starts at (:meth:`StepSavingStream.cut_pass`, as a
         resume from a stop inside an epoch plans it), cap ``max_steps`` there and hand the plan to the
         PulseCycle, whose clock it was played on. Where the plan solved again would outrun a per-step LR
-        scheduler (see :func:`~lightning_pulse.core.step_plan.scheduler_end`), it keeps the old total, and
+        scheduler, as Lightning counts its steps (see :func:`~lightning_pulse.core.step_plan.scheduler_end`), it keeps the old total, and
         warm-up and anneal where they were placed.
 
         Raises:
@@ -681,18 +714,48 @@ class StepSavingLoader:
             return
         light_phases, run, batch_norm_step = self._planned_with
         cycle, epoch, step = pulse_cycle_of(trainer), self.stream.epoch, trainer.global_step
-        bounded = run["max_epochs"] is not None
-        end = scheduler_end(trainer.lr_scheduler_configs, step, old.run_steps(bounded))
-        too_long = None if end is None else (lambda plan: plan.run_steps(bounded) > end[3])
+        bounded, stream, drawn = run["max_epochs"] is not None, self.stream, self.stream.batches
+        accumulate = max(1, int(trainer.accumulate_grad_batches))
+
+        def kept(every: int) -> int:  # the old plan's scheduler steps from here (the skipped batch's given)
+            rest = stream.pass_scheduler_steps(
+                old, trained, planned, every, accumulate, old.run_steps(bounded) - step
+            )
+            return rest - int(skipped and drawn % every == 0)
+
+        ends = scheduler_end(trainer.lr_scheduler_configs, kept)
+
+        def outrun(plan: StepPlan) -> tuple[str, int, int, int, int] | None:  # as Lightning counts, per epoch
+            return scheduler_outrun(
+                ends, lambda every: stream.scheduler_steps(every, accumulate, plan.run_steps(bounded) - step)
+            )
+
+        outran: list[tuple[str, int, int, int, int]] = []  # by the plan solved again (see cut_pass)
+
+        def too_long(plan: StepPlan) -> bool:
+            outran[:] = [past] if (past := outrun(plan)) is not None else []
+            return bool(outran)
+
         clock = None if cycle is None else cycle.clock
-        plan, kept_total = self.stream.cut_pass(clock, light_phases, step, skipped, too_long, **run)
+        plan, kept_total = stream.cut_pass(
+            clock, light_phases, step, skipped, too_long if ends else None, **run
+        )
         run_steps = plan.run_steps(bounded)
         why = " (the module's `on_train_batch_start` returned -1)" if skipped else ""
         cut = f"epoch {epoch} ended after {trained} of its {planned} planned batches{why}"
-        if end is not None and run_steps > end[3]:
-            name, length, left, _ = end
+        if ends and (past := outrun(plan)) is not None:
+            name, length, left, every, given = past
+            given_text = (
+                f" (Lightning steps it {given} times over them at `frequency`={every})" if every > 1 else ""
+            )
             refusal = STEPS_MODE_CUT_EPOCH_SCHEDULE_REFUSAL.format(
-                cut=cut, step=step, more=run_steps - step, scheduler=name, length=length, left=left
+                cut=cut,
+                step=step,
+                more=run_steps - step,
+                given=given_text,
+                scheduler=name,
+                length=length,
+                left=left,
             )
             raise PulseRefusal(
                 refusal + (CUT_EPOCH_WAY_OUT_BY_EPOCHS if bounded else CUT_EPOCH_WAY_OUT_BY_STEPS)
@@ -706,8 +769,8 @@ class StepSavingLoader:
             return
         kept = (
             f" (warm-up and anneal kept where they were placed: solved again, the plan would outrun the "
-            f"per-step {end[0]}, which has {end[2]} steps left)"
-            if kept_total and end is not None
+            f"per-step {outran[0][0]}, which has {outran[0][2]} steps left)"
+            if kept_total and outran
             else ""
         )
         budget = None if cycle is None else cycle.budget

@@ -378,3 +378,30 @@ def test_every_share_placed_on_whole_epochs_is_named_once_after_an_epoch_ends_ea
     placed = "ScheduledPrune (`start`=0.1, `end`=0.8), GradientCache (`release_at`=0.8)."
     assert "These were placed as shares of 48 steps and will not land where asked: " + placed in said[0]
     assert "so blind to the lengths of the epochs still to come: EnergyLogger" in said[0]
+
+
+class EveryOtherStepOneCycle(EndsEpochsEarly):
+    """Skips epoch 2's last planned batch (its 6th), with a OneCycleLR of ``estimated_stepping_batches // 2``
+    steps that Lightning steps with ``"frequency": 2``."""
+
+    def __init__(self) -> None:
+        super().__init__(stop=5, cut=(2,), schedule=True)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
+        steps = int(self.trainer.estimated_stepping_batches) // 2
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=steps)
+        return [optimizer], [{"scheduler": schedule, "interval": "step", "frequency": 2}]
+
+
+def test_a_plan_made_again_counts_a_frequency_2_schedules_steps_per_epoch_as_lightning_does(tmp_path, caplog):
+    # a review: the check read one scheduler step per 2 optimizer steps of the run, so the 9 steps left
+    # after the cut epoch (passes of 6 and 3 batches: 3 + 1 = 4 scheduler steps) outran the 4 the OneCycleLR
+    # has left and the run was refused; Lightning steps it exactly to its end
+    replay, cycle = dict(replay_fraction=0.25), dict(burst=3, replay=3, maintain=3)
+    with caplog.at_level(logging.INFO):
+        trainer, rows = _fit(EveryOtherStepOneCycle(), tmp_path, replay=replay, cycle=cycle)
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert "the per-step OneCycleLR, which has 4 steps left" in caplog.text
+    assert trainer.global_step == 30 and schedule.last_epoch == schedule.total_steps == 15
+    assert _misplaced(rows) == []

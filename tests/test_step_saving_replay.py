@@ -855,10 +855,12 @@ def test_a_schedule_stepped_every_other_step_built_for_the_unplanned_run_over_it
     assert str(refusal.value) == (
         "HardSampleReplay: the per-step CosineAnnealingLR was built for 12 steps, the run's length without "
         "step-saving replay (max_epochs=4 of 12 optimizer steps: 48 optimizer steps over the scheduler's "
-        "`frequency`=4), and mode='steps' plans 24: the schedule would stop at 50% of its course. Build "
+        "`frequency`=4), and mode='steps' plans 24: the schedule would stop at 33% of its course. Build "
         "its length from `self.trainer.estimated_stepping_batches` in configure_optimizers (it holds the 24 "
-        "planned steps), or use mode='batch'. With `frequency`=4, divide `estimated_stepping_batches` by 4."
-    )
+        "planned steps), or use mode='batch'. With `frequency`=4, Lightning steps it after each batch that "
+        "steps the optimizer whose number in its epoch is a multiple of 4 (per epoch, in batches under "
+        "gradient accumulation): 4 times over the planned steps, the length to build it for."
+    )  # 4 passes of 6 batches: one step each (24 // 4 = 6 read the run's steps as one epoch: 50%)
     assert trainer.global_step == 0 and counter.steps == 0
 
     # bounded by max_steps alone the scheduler is built before the data: refused at setup, as without it
@@ -887,8 +889,10 @@ def test_a_schedule_stepped_every_other_step_as_long_as_the_planned_run_is_refus
         "dividing by its frequency, or the run's length without step-saving replay over the frequency "
         "(max_epochs=4 of 12 optimizer steps: 48 optimizer steps over the scheduler's `frequency`=2). "
         "Either way the run steps it 12 times: the schedule would stop at 50% of its course. Build its "
-        "length as `self.trainer.estimated_stepping_batches // 2` in configure_optimizers, or use "
-        "mode='batch'."
+        "length as those 12 steps in configure_optimizers (Lightning steps it after each batch that steps "
+        "the optimizer whose number in its epoch is a multiple of 2: per epoch, in batches, so "
+        "`estimated_stepping_batches // 2` holds them only where each planned epoch's batches are a multiple "
+        "of 2 and no gradients accumulate), or use mode='batch'."
     )
     assert trainer.global_step == 0 and counter.steps == 0
 
@@ -1304,3 +1308,30 @@ def test_full_batch_training_in_steps_mode_is_said_at_fit_start_and_its_end_name
     trainer = pl.Trainer(**trainer_kwargs(max_epochs=3, callbacks=[replay], default_root_dir=tmp_path))
     trainer.fit(_FullBatchRegression(), DataLoader(data, batch_size=32, shuffle=True))
     assert replay.metrics()["replay_fraction"] < 1
+
+
+class _OneCycleEvery(MNIST1DClassifier):
+    """A OneCycleLR of ``estimated_stepping_batches`` steps that Lightning steps with ``"frequency": 2``."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        steps = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=5e-3, total_steps=steps)
+        return [optimizer], [{"scheduler": schedule, "interval": "step", "frequency": 2}]
+
+
+def test_a_schedule_of_frequency_2_under_accumulation_of_2_built_for_the_planned_steps_trains_to_its_end():
+    # a review: with accumulate_grad_batches=2, "frequency": 2 counts batches, so Lightning steps the scheduler
+    # at every optimizer step. The fit-start check read 12 // 2 = 6 steps of a OneCycleLR built for the 12
+    # planned ones (also 24 // 2, the plain run's steps over the frequency) and refused it ("stop at 50%"),
+    # saying to divide by 2: built so, it raised "Tried to step 7 times" at step 7
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        callbacks=[HardSampleReplay()],
+        max_epochs=4,
+        accumulate_grad_batches=2,
+        **trainer_kwargs(limit_val_batches=0),
+    )
+    trainer.fit(_OneCycleEvery(), ShuffleFreeData(num_samples=1000, batch_size=64))
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert trainer.global_step == 12 and schedule.last_epoch == schedule.total_steps == 12

@@ -255,8 +255,16 @@ STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL = (
     "built for {length} steps: the run's {planned} planned steps (`estimated_stepping_batches`) read "
     "without dividing by its frequency, or the run's length without step-saving replay over the frequency "
     "({source}). Either way the run steps it {stepped} times: the schedule would stop at {share:.0%} of its "
-    "course. Build its length as `self.trainer.estimated_stepping_batches // {frequency}` in "
-    "configure_optimizers, or use mode='batch'."
+    "course. Build its length as those {stepped} steps in configure_optimizers (Lightning steps it after each "
+    "batch that steps the optimizer whose number in its epoch is a multiple of {frequency}: per epoch, in "
+    "batches, so `estimated_stepping_batches // {frequency}` holds them only where each planned epoch's "
+    "batches are a multiple of {frequency} and no gradients accumulate), or use mode='batch'."
+)
+# the way out of STEPS_MODE_SCHEDULE_LENGTH_REFUSAL for a scheduler of `frequency` > 1: Lightning's count
+SCHEDULE_FREQUENCY_WAY_OUT = (
+    " With `frequency`={frequency}, Lightning steps it after each batch that steps the optimizer whose number "
+    "in its epoch is a multiple of {frequency} (per epoch, in batches under gradient accumulation): {stepped} "
+    "times over the planned steps, the length to build it for."
 )
 # a resume whose plan is longer than the saved one: the restored scheduler keeps the saved plan's length
 STEPS_MODE_RESUMED_SCHEDULE_REFUSAL = (
@@ -304,7 +312,7 @@ RESUMED_DATA_SIZE_REFUSAL = (
 
 STEPS_MODE_CUT_EPOCH_SCHEDULE_REFUSAL = (
     "HardSampleReplay: {cut}, and the rest of the run, planned again from step {step}, takes {more} more "
-    "optimizer steps, where the per-step {scheduler} of {length} steps has {left} left (Lightning also steps "
+    "optimizer steps{given}, where the per-step {scheduler} of {length} steps has {left} left (Lightning also steps "
     "it for each batch that `on_train_batch_start` skips, with no optimizer step): it would be stepped past "
     "its end; "
 )

@@ -704,6 +704,16 @@ class StepSavingStream:
         passes += [(0, len(sizes)) for sizes in self.plan.batch_sizes[1:]]
         return run_scheduler_steps(passes, len(self._plain_pass), frequency, accumulate, steps)
 
+    def pass_scheduler_steps(
+        self, plan: StepPlan, done: int, batches: int, frequency: int, accumulate: int, steps: int
+    ) -> int:
+        """As :meth:`scheduler_steps`, over ``plan``'s next ``steps`` optimizer steps from batch ``done`` of
+        the pass under way (of ``batches``) on, then its later passes: what an epoch ended early would have
+        trained had it gone on."""
+        later = plan.batch_sizes[max(0, self.epoch + 1 - plan.first_epoch) :]
+        passes = [(done, batches), *((0, len(sizes)) for sizes in later)]
+        return run_scheduler_steps(passes, len(self._plain_pass), frequency, accumulate, steps)
+
     @property
     def has_restored_state(self) -> bool:
         """Whether a checkpoint's stream state was restored (the plan goes on from it)."""
@@ -1091,12 +1101,12 @@ def run_scheduler_steps(
     return counted
 
 
-def scheduler_end(configs: Iterable[Any], step: int, planned_steps: int) -> tuple[str, int, int, int] | None:
-    """``(name, length, steps left, optimizer step)`` of the per-step LR scheduler (Lightning's scheduler
-    configs) whose steps run out first from optimizer ``step`` on, with the optimizer step where they do,
-    among those the plan's ``planned_steps`` fit in (built for the plan, or longer: one shorter runs out
-    anyway); ``None`` for none. Its length and steps left are its :func:`schedule_course`'s, one per
-    ``frequency`` optimizer steps. Lightning also steps such a scheduler for a batch the module's
+def scheduler_end(configs: Iterable[Any], kept: Callable[[int], int]) -> list[tuple[str, int, int, int]]:
+    """``(name, length, steps left, frequency)`` of each per-step LR scheduler (Lightning's scheduler configs)
+    whose course (:func:`schedule_course`) the plan under way keeps within its length: ``kept(frequency)``,
+    the steps Lightning gives a scheduler of that ``frequency`` over the rest of that plan
+    (:meth:`StepSavingStream.pass_scheduler_steps`), are no more than its steps left (built for the plan, or
+    longer: one shorter runs out anyway). Lightning also steps such a scheduler for a batch the module's
     ``on_train_batch_start`` skipped (returned -1), with no optimizer step: one built for the plan then has a
     step fewer left than the plan has optimizer steps."""
     ends = []
@@ -1105,14 +1115,21 @@ def scheduler_end(configs: Iterable[Any], step: int, planned_steps: int) -> tupl
         if config.interval != "step" or course is None:
             continue
         every, (length, left) = max(1, int(config.frequency or 1)), course
-        if length < planned_steps // every:
-            continue
-        left = max(0, left)
-        ends.append((step + left * every, type(config.scheduler).__name__, length, left))
-    if not ends:
-        return None
-    end, name, length, left = min(ends)
-    return name, length, left, end
+        if kept(every) <= max(0, left):
+            ends.append((type(config.scheduler).__name__, length, max(0, left), every))
+    return ends
+
+
+def scheduler_outrun(
+    ends: Iterable[tuple[str, int, int, int]], steps: Callable[[int], int]
+) -> tuple[str, int, int, int, int] | None:
+    """``(name, length, steps left, frequency, steps given)`` of the first of :func:`scheduler_end`'s
+    schedulers that ``steps(frequency)`` scheduler steps (a new plan's, as Lightning counts them) would step
+    past its end; ``None`` where none."""
+    for name, length, left, every in ends:
+        if (given := steps(every)) > left:
+            return name, length, left, every, given
+    return None
 
 
 def scheduler_past_end(
