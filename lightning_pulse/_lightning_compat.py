@@ -474,6 +474,12 @@ def private_api_problems() -> list[str]:
         problems.append("_FitLoop._combined_loader_states_to_load, loaded in setup_data")
     if not isinstance(getattr(_FitLoop, "_can_stop_early", None), property):
         problems.append("_FitLoop._can_stop_early")
+    for name in (
+        "_should_check_val_fx",
+        "_num_ready_batches_reached",
+    ):  # SuspendSave's stop, after the module's
+        if not callable(getattr(_TrainingEpochLoop, name, None)):
+            problems.append(f"_TrainingEpochLoop.{name}")
     if not callable(getattr(data_connector, "_parse_num_batches", None)):
         problems.append("lightning.pytorch.trainer.connectors.data_connector._parse_num_batches")
     if "_model_contains_batch_norm" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
@@ -1092,6 +1098,57 @@ def restore_loop_minimums(trainer: pl.Trainer, lifted: tuple[int | None, int | N
     """Put back the ``(min_epochs, min_steps)`` :func:`stop_this_fit` lifted, for a later fit of the same
     Trainer (Lightning reads them again at each ``fit``)."""
     trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = lifted
+
+
+def fit_ends_after_this_step(trainer: pl.Trainer) -> bool:
+    """At a training batch's end, once its hooks have run: whether the fit ends after it with no more training,
+    as Lightning's loops will find: ``max_steps`` reached, the last batch of the ``max_epochs``-th epoch, or a
+    stop asked (``should_stop``) that ``Trainer(min_epochs/min_steps)`` let take effect (at an epoch's last
+    batch the ending epoch counts, as in the fit loop's check after it)."""
+    from lightning.pytorch.loops.utilities import _is_max_limit_reached
+
+    loop, epoch_loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
+    if _is_max_limit_reached(epoch_loop.global_step, loop.max_steps):
+        return True
+    epoch_ends = epoch_loop._num_ready_batches_reached()
+    epochs = loop.epoch_progress.current.processed + int(epoch_ends)
+    if epoch_ends and _is_max_limit_reached(epochs, loop.max_epochs or -1):
+        return True
+    met_epochs = not loop.min_epochs or epochs >= loop.min_epochs
+    return bool(trainer.should_stop) and met_epochs and epoch_loop.global_step >= (epoch_loop.min_steps or 0)
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """The checkpoint ``trainer.save_checkpoint`` would save now, to write later (:func:`write_checkpoint`):
+    its states are taken now (the weights' tensors are the live ones: write it before the next step)."""
+    return trainer._checkpoint_connector.dump_checkpoint(False)
+
+
+def write_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any], path: Any) -> None:
+    """Write a :func:`dump_checkpoint` as ``trainer.save_checkpoint`` does (a collective: on every rank)."""
+    trainer.strategy.save_checkpoint(checkpoint, path)
+    trainer.strategy.barrier("Trainer.save_checkpoint")
+
+
+def after_module_batch_end(trainer: pl.Trainer, hook: Callable[[Any], None]) -> None:
+    """Call ``hook(trainer)`` once, after the module's own ``on_train_batch_end`` of this batch (Lightning
+    runs it after every callback's), before the epoch loop reads ``should_stop`` (whether to validate, whether
+    the epoch ends): its ``_should_check_val_fx``, wrapped on this loop instance for that call only. A wrapper
+    left by a fit that raised before it passes a later batch's call through (the batch counter differs)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    batch = epoch_loop.batch_progress.total.ready  # this batch's; a later batch's is higher
+
+    def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
+        def should_check_val_fx(*args: Any, **kwargs: Any) -> bool:
+            due = state["active"] and epoch_loop.batch_progress.total.ready == batch
+            remove()
+            if due:
+                hook(trainer)
+            return original(*args, **kwargs)
+
+        return should_check_val_fx
+
+    remove = _wrap_on_instance(epoch_loop, "_should_check_val_fx", wrap)
 
 
 # on the epoch loop: (training steps, max_steps set) of cap_training_steps, so run_length reads the first

@@ -42,6 +42,7 @@ from lightning_pulse.callbacks.green_window import SUSPEND_CHECKPOINT
 from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
 from lightning_pulse.cli import main as cli_main
 from lightning_pulse.cli import run_wait_for_window
+from lightning_pulse.core.green_window import WINDOW_FINISHED_EXIT
 from lightning_pulse.energy.carbon import TimeSeries, format_utc, parse_timestamp
 from lightning_pulse.energy.forecast import OracleForecast
 from tests.conftest import RecordingLogger, trainer_kwargs
@@ -387,6 +388,103 @@ def test_a_stop_the_trainer_minimum_held_back_is_asked_again_in_the_fit_resumed_
     print(f"suspended at steps {suspends}; chain ended at {trainer.global_step}")
     assert suspends[-1] == 19  # inside epoch 1, before the minimum: the stop asked at 12 was pending
     assert trainer.global_step == 22 and window.report["status"] == "complete"
+
+
+class _StopAt(pl.Callback):
+    """Asks the fit to stop at the end of step ``step``: in its ``on_train_batch_end`` as a callback, or, with
+    ``module=True``, in the LightningModule's own (:func:`_stopping_model`), which Lightning runs after every
+    callback's."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def _stopping_model(step: int | None):
+    from examples.mnist1d import MNIST1DClassifier
+
+    class StoppingModel(MNIST1DClassifier):
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            if self.trainer.global_step == step:
+                self.trainer.should_stop = True
+
+    return StoppingModel(arch="mlp")
+
+
+def _suspend_chain(tmp_path, mnist1d_small, green: bool, stop=None, module_stop=None, **trainer_args):
+    """The fit, suspended and resumed until it ends (as a wrapper looping on wait-for-window): the last fit's
+    trainer and GreenWindow, and the global step of each fit's end."""
+    clock, checkpoints = SimulatedClock("2020-06-15 06:00:00"), tmp_path / "ckpt"
+
+    def attempt(ckpt_path=None):
+        window = None
+        if green:
+            options = {"watts": 250.0}
+            window = GreenWindow(
+                signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock, options=options
+            )
+        callbacks = [*([window] if green else []), *([] if stop is None else [stop()])]
+        callbacks.append(ModelCheckpoint(dirpath=checkpoints, save_top_k=0))
+        kwargs = dict(enable_checkpointing=True, default_root_dir=tmp_path, **trainer_args)
+        trainer = fit(callbacks, clock, steps=144, **kwargs)
+        trainer.fit(_stopping_model(module_stop), mnist1d_small(arch="mlp")[1], ckpt_path=ckpt_path)
+        return trainer, window
+
+    trainer, window = attempt()
+    ends = [trainer.global_step]
+    while green and window.suspended is not None and len(ends) < 20:
+        assert run_wait_for_window([str(checkpoints)], clock=clock) == 0
+        trainer, window = attempt(str(checkpoints / SUSPEND_CHECKPOINT))
+        ends.append(trainer.global_step)
+    return trainer, window, ends
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # a callback listed after GreenWindow stops the fit at step 1, the suspend's step
+        dict(stop=lambda: _StopAt(1)),
+        # EarlyStopping's stop, asked at step 12, held back by min_steps=19 until the suspend's step 19
+        dict(
+            stop=lambda: EarlyStopping("train_loss", stopping_threshold=1e3, check_on_train_epoch_end=True),
+            min_steps=19,
+        ),
+    ],
+    ids=["callback_stop", "min_steps_met"],
+)
+def test_a_suspend_at_a_step_where_the_fit_ends_anyway_is_no_suspend(mnist1d_small, tmp_path, caplog, case):
+    # sweep (pass 42): the suspend still saved, said "suspended" and wrote a resume file that sent
+    # wait-for-window waiting hours for a resume that trained 0 steps and found the run complete
+    uninterrupted = _suspend_chain(tmp_path / "plain", mnist1d_small, False, **case)[0].global_step
+    with caplog.at_level("INFO"):
+        trainer, window, ends = _suspend_chain(tmp_path, mnist1d_small, True, **case)
+    print(f"uninterrupted: {uninterrupted}; each fit of the chain ended at {ends}")
+    assert ends[-1] == uninterrupted and window.suspended is None and window.report["status"] == "complete"
+    # the fit that reached that step ended the run: it was not suspended there for a resume of 0 steps (a
+    # resumed fit may suspend again at its start, before any step: the window, forecast clean, was dirty)
+    assert ends.count(uninterrupted) == 1
+    assert "nothing to suspend" in caplog.text
+    record = json.loads((tmp_path / "ckpt" / "green_window.json").read_text())
+    assert record["status"] == "finished" and record["global_step"] == uninterrupted
+    assert run_wait_for_window([str(tmp_path / "ckpt")], clock=SimulatedClock(START)) == WINDOW_FINISHED_EXIT
+
+
+@pytest.mark.parametrize("min_steps", [None, 5], ids=["stop_at_once", "min_steps_holds_it"])
+def test_a_stop_the_modules_own_batch_end_asks_at_a_suspend_is_kept(mnist1d_small, tmp_path, min_steps):
+    # sweep (pass 42): Lightning runs the module's on_train_batch_end after every callback's, the suspend's
+    # save too, so a stop it asked at the suspend's step was in no checkpoint: the resumed fits trained on to
+    # max_steps (144 steps for 1, and for 12 under min_steps=5, where the implied min_epochs=1 holds it)
+    args = dict(module_stop=1, min_steps=min_steps)
+    uninterrupted = _suspend_chain(tmp_path / "plain", mnist1d_small, False, **args)[0].global_step
+    trainer, window, ends = _suspend_chain(tmp_path, mnist1d_small, True, **args)
+    print(f"uninterrupted: {uninterrupted}; each fit of the chain ended at {ends}")
+    assert uninterrupted == (1 if min_steps is None else 12)
+    assert ends[-1] == uninterrupted and window.report["status"] == "complete"
+    if min_steps is None:  # the stop takes effect at once: nothing to suspend
+        assert ends == [1] and window.suspended is None
 
 
 def test_the_resume_command_resumes_where_the_logger_starts_a_new_version_folder(mnist1d_small, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from examples.mnist1d import MNIST1DClassifier
 from lightning_pulse import GreenWindow, GreenWindowOptions, PulseCycle, SimulatedClock
 from lightning_pulse.callbacks.green_window import SUSPEND_CHECKPOINT
 from lightning_pulse.callbacks.simulated_step_time import SimulatedStepTime
@@ -114,3 +115,42 @@ def test_a_live_signal_whose_first_reading_fails_is_refused_on_every_rank(mnist1
     raised = [json.loads((tmp_path / f"rank{rank}-raised.json").read_text()) for rank in (0, 1)]
     assert raised[0][0] == "PulseRefusal" and "the grid API is down" in raised[0][1]
     assert raised[1] == raised[0]  # the same refusal on rank 1, not the broadcast's connection error
+
+
+class _StopsAtStep10(MNIST1DClassifier):
+    """Asks the fit to stop in its own ``on_train_batch_end`` at step 10 (Lightning runs it after every
+    callback's), and writes each rank's last step and first weights at the end of training."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(arch="mlp")
+        self.directory = directory
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.trainer.global_step == 10:
+            self.trainer.should_stop = True
+
+    def on_train_end(self) -> None:
+        weights = next(self.parameters()).detach().flatten()[:4].tolist()
+        end = json.dumps([self.trainer.global_step, weights])
+        Path(self.directory, f"end{self.trainer.global_rank}.json").write_text(end)
+
+
+@pytest.mark.ddp
+def test_ranks_end_the_run_without_a_suspend_where_the_modules_own_stop_ends_it(mnist1d_small, tmp_path):
+    # sweep (pass 42): a stop asked by the module's own batch end at the suspend's step (here step 10, rank 0's
+    # decision there: dirty) was in no checkpoint, and the resume trained on to max_steps. The fit ends there
+    # anyway: both ranks end the run at step 10, with no suspend checkpoint and the resume file finished
+    clock = SimulatedClock("2020-06-15 06:00:00")
+    green = GreenWindow(
+        signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock, options={"watts": 1.0}
+    )
+    kwargs = trainer_kwargs(
+        devices=2, strategy=TwoGlooProcesses(), enable_checkpointing=True, default_root_dir=str(tmp_path)
+    )
+    callbacks = [SimulatedStepTime(clock, 600.0), green, ModelCheckpoint(dirpath=tmp_path, save_top_k=0)]
+    trainer = pl.Trainer(callbacks=callbacks, max_steps=40, limit_val_batches=0, **kwargs)
+    trainer.fit(_StopsAtStep10(str(tmp_path)), mnist1d_small()[1])
+    ends = [json.loads((tmp_path / f"end{rank}.json").read_text()) for rank in (0, 1)]
+    assert ends[0][0] == 10 and ends[1] == ends[0]
+    assert not (tmp_path / SUSPEND_CHECKPOINT).exists()
+    assert json.loads((tmp_path / "green_window.json").read_text())["status"] == "finished"

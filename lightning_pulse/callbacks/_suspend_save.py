@@ -9,7 +9,9 @@ whether to save at all, and its place in the list orders its other hooks), so it
 ModelCheckpoint's save of the step, on every rank (``save_checkpoint`` is a collective; every rank takes the
 same decision, rank 0's). At the end of a complete run it marks the run's resume files finished
 (:meth:`SuspendSave.run_ended`): they used to name the last suspend checkpoint for good, and a wrapper that
-looped on ``wait-for-window`` trained the run's tail again from it on every call.
+looped on ``wait-for-window`` trained the run's tail again from it on every call. At a batch end the states
+are taken in that hook and written, and the fit stopped, after the LightningModule's own ``on_train_batch_end``
+(Lightning runs it after every callback's): a stop it asks there is kept, or ends the run with no suspend.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.green_window import (
+    NOTHING_TO_SUSPEND,
     RESUME_FILE,
     Decision,
     finished_notice,
@@ -41,7 +44,7 @@ class SuspendSave(Callback):
     """
 
     def __init__(self) -> None:
-        self._due: tuple[Decision, float, float, Any, Any, list[str]] | None = None
+        self._due: tuple[Any, Decision, float, float, Any, list[str], list[str]] | None = None
         self._lifted: tuple[int | None, int | None] | None = None  # the Trainer's minimums, lifted to stop
 
     def attach(self, trainer: pl.Trainer) -> None:
@@ -58,25 +61,17 @@ class SuspendSave(Callback):
         compat.remove_callback(trainer, self)
 
     def due(
-        self,
-        trainer: pl.Trainer,
-        decision: Decision,
-        now: float,
-        resume_at: float,
-        schedule: Any,
-        energy: Any,
-        files: list[str],
-        record: dict[str, Any],
+        self, trainer: pl.Trainer, owner: Any, decision: Decision, now: float, resume_at: float, energy: Any
     ) -> None:
         """Suspend once every callback's part of the hook now running is done (``now``, ``resume_at``: the
         clock's times for the resume file; ``energy``: the EnergyLogger whose later energy is carried).
-        ``files``, GreenWindow's list of the run's resume files (in its state, so in the checkpoint), gets
-        this suspend's now, last; the earlier ones, in other folders, get its record too. ``record``, the
-        suspend's in GreenWindow's state, gets ``stop_asked`` where a stop was asked by the save
-        (:meth:`ask_stop_again`)."""
-        file = str(_folder(trainer) / RESUME_FILE)
-        files[:] = [*(earlier := [other for other in files if other != file]), file]
-        self._due = (decision, now, resume_at, schedule, energy, earlier, record)
+        ``owner``, the GreenWindow: its ``resume_files`` (in its state, so in the checkpoint) get this
+        suspend's now, last; the earlier ones, in other folders, get its record too. Its ``suspended``, the
+        suspend's record, gets ``stop_asked`` where a stop was asked by the save (:meth:`ask_stop_again`).
+        Both are put back where the fit ends at this step anyway (nothing to suspend: :meth:`_finish`)."""
+        file, before = str(_folder(trainer) / RESUME_FILE), list(owner.resume_files)
+        owner.resume_files[:] = [*(earlier := [other for other in before if other != file]), file]
+        self._due = (owner, decision, now, resume_at, energy, earlier, before)
 
     @staticmethod
     def ask_stop_again(trainer: pl.Trainer, suspended: dict[str, Any] | None) -> None:
@@ -109,18 +104,38 @@ class SuspendSave(Callback):
         if written:
             rank_zero_info(finished_notice(written))
 
-    def _save_due(self, trainer: pl.Trainer) -> None:
+    def _save_due(self, trainer: pl.Trainer, batch_end: bool) -> None:
         if self._due is None:
             return
-        (decision, now, resume_at, schedule, energy, earlier, record), self._due = self._due, None
-        if trainer.should_stop:  # asked before; stop_this_fit sets it anyway (see ask_stop_again)
-            record["stop_asked"] = True
+        checkpoint = compat.dump_checkpoint(trainer)  # every callback's state after its hook; written below
+        if not batch_end:
+            self._finish(trainer, checkpoint, False)
+            return
+        # the module's own on_train_batch_end runs after every callback's: a stop it asks is read after it
+        compat.after_module_batch_end(trainer, lambda trainer: self._finish(trainer, checkpoint, True))
+
+    def _finish(self, trainer: pl.Trainer, checkpoint: dict[str, Any], batch_end: bool) -> None:
+        if self._due is None:  # detached: the fit raised in between
+            return
+        (owner, decision, now, resume_at, energy, earlier, before), self._due = self._due, None
+        # the fit ends here anyway (its last step, a stop that takes effect), complete: nothing to suspend (a
+        # resume trained 0 steps, after wait-for-window waited for it); a max_time stop with work left suspends
+        ends = batch_end and compat.fit_ends_after_this_step(trainer)
+        if ends and compat.run_end_status(trainer, False) == "complete":
+            owner.suspended, owner.resume_files[:] = None, before
+            rank_zero_info(NOTHING_TO_SUSPEND)
+            return
+        if trainer.should_stop:  # asked before, or by the module's hook; stop_this_fit sets it anyway
+            owner.suspended["stop_asked"] = True
+            checkpoint["callbacks"][owner.state_key]["suspended"] = owner.suspended
         folder = _folder(trainer)
-        trainer.save_checkpoint(path := folder / SUSPEND_CHECKPOINT)
+        compat.write_checkpoint(trainer, checkpoint, path := folder / SUSPEND_CHECKPOINT)
         if energy is not None:  # its energy after this (Lightning validates after a stop) is carried
             energy.account.saved_for_suspend(path)
         if trainer.is_global_zero:
-            rank_zero_info(write_resume_notice(folder, now, resume_at, path, decision, schedule, earlier))
+            rank_zero_info(
+                write_resume_notice(folder, now, resume_at, path, decision, owner.schedule, earlier)
+            )
         # here: the callbacks before this one ran their hook as if never stopped. Trainer(min_epochs/min_steps)
         # would overrule a bare should_stop (it trained on through the dirty hours, suspending again and
         # again): lifted for this fit, a resumed fit has them from its Trainer's arguments
@@ -129,13 +144,13 @@ class SuspendSave(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._save_due(trainer)
+        self._save_due(trainer, False)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._save_due(trainer)
+        self._save_due(trainer, True)
 
 
 def _folder(trainer: pl.Trainer) -> Path:

@@ -328,8 +328,8 @@ class GreenWindow(compat.PulseStateKey, Callback):
             return stopped is None
         # the checkpoint keeps the run's times; the resume file, the clock's (see RunClock.suspension)
         record, now, resume_at = self.run_clock.suspension(self.run_clock.time(), decision)
-        self.suspended, energy, files = record, self._energy, self.resume_files  # due() adds to both (state)
-        self._suspend_save.due(trainer, decision, now, resume_at, self.schedule, energy, files, record)
+        self.suspended = record  # due() adds to it and to resume_files (state), or drops it (the fit ends)
+        self._suspend_save.due(trainer, self, decision, now, resume_at, self._energy)
         return False
 
     # ------------------------------------------------------------------ energy

@@ -262,6 +262,9 @@ FAST_DEV_RUN_LINE = (
     "and writes no report (kept in `.report`)."
 )
 NO_ENERGY_LINE = "GreenWindow: no EnergyLogger and no options.watts; savings in % and per kWh only."
+NOTHING_TO_SUSPEND = (  # a suspend at a step where the fit ends anyway (SuspendSave): the run finishes
+    "GreenWindow: the fit ends at this step anyway (its last step, or a stop asked): nothing to suspend."
+)
 
 
 def pause(clock: Any, seconds: float, stop: Callable[[], bool]) -> bool:
