@@ -73,6 +73,104 @@ def test_a_csv_saved_by_excel_with_a_byte_order_mark_reads_its_named_columns(tmp
     assert series.values.tolist() == [300.0, 100.0]
 
 
+# a byte-order mark and the text after it, as Windows PowerShell 5.1's `>` and Excel's "Unicode Text"
+# (UTF-16 LE) and other tools write them
+WITH_BOM = {
+    "utf-16-le": lambda text: b"\xff\xfe" + text.encode("utf-16-le"),
+    "utf-16-be": lambda text: b"\xfe\xff" + text.encode("utf-16-be"),
+    "utf-32-le": lambda text: b"\xff\xfe\x00\x00" + text.encode("utf-32-le"),
+}
+
+
+@pytest.mark.parametrize("encoding", list(WITH_BOM))
+def test_a_csv_in_utf16_or_utf32_with_a_byte_order_mark_reads_as_its_utf8_copy(tmp_path, encoding):
+    # sweep: refused at construction with a bare "'utf-8' codec can't decode byte 0xff in position 0"
+    path = tmp_path / "carbon.csv"
+    path.write_bytes(WITH_BOM[encoding](EXCERPT.read_text()))
+    series, utf8 = TimeSeries.from_csv(path), TimeSeries.from_csv(EXCERPT)
+    assert series.times.tolist() == utf8.times.tolist() and series.values.tolist() == utf8.values.tolist()
+
+
+def test_energy_logger_counts_co2_from_a_utf16_csv_as_powershell_writes_it(tmp_path):
+    import lightning.pytorch as pl
+
+    from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+    from lightning_pulse import EnergyLogger, MeterConfig
+    from tests.conftest import trainer_kwargs
+
+    path = tmp_path / "carbon.csv"
+    path.write_bytes(WITH_BOM["utf-16-le"](EXCERPT.read_text()))
+    energy = EnergyLogger(
+        carbon_intensity=str(path),
+        gpu="none",
+        cpu="constant",
+        ram="none",
+        meters=MeterConfig(sampling_period=0.05, cpu_watts=100.0),
+        report_dir=str(tmp_path),
+    )
+    shift = utc("2026-06-02 10:00:00") - time.time()
+    energy.account.wall_clock = lambda: time.time() + shift  # read at 2020-06-02 10:00, inside the excerpt
+    trainer = pl.Trainer(callbacks=[energy], max_steps=3, limit_val_batches=0, **trainer_kwargs())
+    trainer.fit(MNIST1DClassifier(arch="mlp"), MNIST1DDataModule(num_samples=300, batch_size=32))
+    block = energy.report["carbon_intensity"]
+    assert block["source"] == "series:carbon.csv" and block["run_start_read_at"].startswith(
+        "2020-06-02 10:00"
+    )
+    expected = TimeSeries.from_csv(EXCERPT).value_at(utc("2020-06-02 10:00:00"))
+    assert energy.report["total"]["g_co2_per_kwh"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "data, said",
+    [
+        (
+            EXCERPT.read_text().encode(
+                "utf-16-le"
+            ),  # PowerShell's `Out-File -Encoding unicode -NoBOM` and co.
+            " is not UTF-8: its NUL bytes follow each character, as UTF-16 LE without a byte-order mark "
+            "writes them",
+        ),
+        (
+            EXCERPT.read_text().encode("utf-16-be"),
+            " is not UTF-8: its NUL bytes precede each character, as UTF-16 BE without a byte-order mark "
+            "writes them",
+        ),
+        (
+            EXCERPT.read_text().replace("Carbon Intensity", "Carbon Intensité").encode("cp1252"),
+            ":1 is not UTF-8: byte 0xe9 (at 'Time,Carbon Intensit\\xe9') does not decode, as in a file saved "
+            "in a Windows code page such as cp1252",
+        ),
+    ],
+    ids=["utf-16-le-without-bom", "utf-16-be-without-bom", "cp1252"],
+)
+def test_a_csv_that_is_not_utf8_is_refused_at_construction_naming_the_encoding_and_the_way_out(
+    tmp_path, data, said
+):
+    # sweep: a bare "'utf-8' codec can't decode byte", or (UTF-16 without a BOM) a row of cells with NULs
+    from lightning_pulse import EnergyLogger, GreenWindow
+
+    path = tmp_path / "carbon.csv"
+    path.write_bytes(data)
+    for build, first in [
+        (lambda: EnergyLogger(carbon_intensity=str(path)), f"EnergyLogger: `carbon_intensity`: {path}"),
+        (lambda: GreenWindow(signal=str(path)), f"GreenWindow: `signal`: {path}"),
+    ]:
+        with pytest.raises(ValueError) as refused:
+            build()
+        message = str(refused.value)
+        assert message.startswith(first + said), message
+        assert 'save it as UTF-8 (Excel: Save As "CSV UTF-8";' in message and "\n" not in message
+
+
+def test_a_blank_line_before_the_header_still_reads_the_header(tmp_path):
+    # sweep: only line 1 could be the header, so after a blank line it was read as a data row and refused
+    path = tmp_path / "carbon.csv"
+    path.write_text("\n \nvalue,timestamp\n300,2020-06-15T00:00:00Z\n100,2020-06-15T01:00:00Z\n")
+    series = TimeSeries.from_csv(path)
+    assert series.times.tolist() == [utc("2020-06-15 00:00:00"), utc("2020-06-15 01:00:00")]
+    assert series.values.tolist() == [300.0, 100.0]
+
+
 def test_malformed_series_fails_at_construction_naming_the_field(tmp_path):
     path = tmp_path / "bad.csv"
     path.write_text("Time,Carbon Intensity\n2020-01-01 00:00:00,200\nyesterday,300\n")

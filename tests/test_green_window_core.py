@@ -459,6 +459,23 @@ def test_signal_sources_json_pairs_and_live_readings(tmp_path):
     ]
 
 
+def test_a_json_signal_in_utf16_reads_with_its_byte_order_mark_and_is_refused_without_it(tmp_path):
+    # sweep: both failed with a bare "GreenWindow: 'utf-8' codec can't decode byte 0xff in position 0"
+    from lightning_pulse import GreenWindow
+
+    pairs = json.dumps([["2020-06-01 00:00:00", 120], {"time": "2020-06-01 01:00:00", "value": 90}])
+    path = tmp_path / "grid.json"
+    path.write_bytes(b"\xff\xfe" + pairs.encode("utf-16-le"))  # Windows PowerShell 5.1's `>`
+    assert GreenWindow(signal=str(path)).signal.rate.series.values.tolist() == [120.0, 90.0]
+    path.write_bytes(pairs.encode("utf-16-le"))
+    with pytest.raises(ValueError) as refused:
+        GreenWindow(signal=str(path))
+    assert str(refused.value).startswith(
+        f"GreenWindow: `signal`: {path} is not UTF-8: its NUL bytes follow each character, as UTF-16 LE "
+        "without a byte-order mark writes them; save it as UTF-8 (PowerShell: `Out-File -Encoding utf8` "
+    )
+
+
 def test_forecast_from_rejects_what_is_no_forecast():
     with pytest.raises(ValueError, match="`forecast`='tomorrow' is not accepted"):
         forecast_from("tomorrow")

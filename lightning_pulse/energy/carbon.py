@@ -26,7 +26,9 @@ records it.
 
 from __future__ import annotations
 
+import codecs
 import csv
+import io
 import math
 import re
 from collections.abc import Callable
@@ -192,6 +194,73 @@ def _dated(text: str, seconds: float) -> str:
     return repr(text) if f"{text} UTC" == utc else f"{text!r} ({utc})"
 
 
+#: byte-order marks and the codec that reads past each; UTF-32 LE's first (it starts with UTF-16 LE's)
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32 LE", "utf-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32 BE", "utf-32"),
+    (codecs.BOM_UTF8, "UTF-8", "utf-8-sig"),  # Excel's "CSV UTF-8", PowerShell 5.1's `-Encoding utf8`
+    (codecs.BOM_UTF16_LE, "UTF-16 LE", "utf-16"),  # PowerShell 5.1's `>`, Excel's "Unicode Text"
+    (codecs.BOM_UTF16_BE, "UTF-16 BE", "utf-16"),
+)
+
+
+def _save_as_utf8(path: Path) -> str:
+    """The way out for a series file that is not UTF-8 text."""
+    excel = 'Excel: Save As "CSV UTF-8"; ' if path.suffix.lower() != ".json" else ""
+    return (
+        f"save it as UTF-8 ({excel}PowerShell: `Out-File -Encoding utf8` rather than `>`; an editor: "
+        "encoding UTF-8); UTF-16 and UTF-32 are read when they start with their byte-order mark"
+    )
+
+
+def read_series_text(path: Path, field: str) -> str:
+    """The text of a series file: UTF-8, or UTF-16 or UTF-32 that starts with its byte-order mark (the mark
+    is skipped, as UTF-8's is). Any other file (a Windows code page such as cp1252, UTF-16 without its mark)
+    is refused, naming ``field``, the file and the encoding its bytes suggest: the decoding error reached the
+    user bare.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    data = path.read_bytes()
+    for bom, name, codec in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data.decode(codec)
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"`{field}`: {path} starts with the byte-order mark of {name}, and its bytes from "
+                    f"{error.start} on do not decode as {name} ({error.reason}); {_save_as_utf8(path)}."
+                ) from None
+    if b"\x00" in data:  # UTF-8 text has none; UTF-16 or UTF-32 of ASCII text has one or three per character
+        raise ValueError(f"`{field}`: {path} is not UTF-8: {_nul_encoding(data)}; {_save_as_utf8(path)}.")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        start = max(data.rfind(b"\n", 0, error.start) + 1, error.start - 40)
+        near = data[start : error.start + 1].decode("utf-8", "backslashreplace")
+        raise ValueError(
+            f"`{field}`: {path}:{line} is not UTF-8: byte 0x{data[error.start]:02x} (at '{near}') does not "
+            f"decode, as in a file saved in a Windows code page such as cp1252; {_save_as_utf8(path)}."
+        ) from None
+
+
+def _nul_encoding(data: bytes) -> str:
+    """What a file's NUL bytes say of its encoding: UTF-16 or UTF-32 without a byte-order mark, by where
+    they fall in each code unit (ASCII text in UTF-16 LE: every second byte, from the second), or binary."""
+    for width, name in ((4, "UTF-32"), (2, "UTF-16")):
+        units = [data[i : i + width] for i in range(0, len(data) - len(data) % width, width)]
+        if len(units) < 2:
+            continue
+        zero = b"\x00" * (width - 1)
+        if sum(unit.endswith(zero) for unit in units) >= 0.9 * len(units):
+            return f"its NUL bytes follow each character, as {name} LE without a byte-order mark writes them"
+        if sum(unit.startswith(zero) for unit in units) >= 0.9 * len(units):
+            return f"its NUL bytes precede each character, as {name} BE without a byte-order mark writes them"
+    return f"it has NUL bytes (the first at byte {data.index(0)}), which no UTF-8 text has"
+
+
 class TimeSeries:
     """A step function of time: ``values[i]`` holds on ``[times[i], times[i+1])``.
 
@@ -249,11 +318,12 @@ class TimeSeries:
         time_col, value_col = 0, 1
         header: list[str] | None = None
         unnamed: list[int] = []  # the header's unnamed columns other than the time and value ones
-        with path.open(newline="", encoding="utf-8-sig") as handle:  # Excel's "CSV UTF-8" starts with a BOM
+        with io.StringIO(read_series_text(path, field), newline="") as handle:
             for line_number, row in enumerate(csv.reader(handle), start=1):
                 if not row or all(not cell.strip() for cell in row):
                     continue
-                if line_number == 1 and not _looks_numeric(row[1] if len(row) > 1 else ""):
+                # the first row that is not blank (a blank line can come before the header)
+                if header is None and not rows and not _looks_numeric(row[1] if len(row) > 1 else ""):
                     header = list(row)  # its unnamed cells too: a column of notes the rows fill
                     names = [cell.strip().lower() for cell in row]
                     time_col = next((i for i, n in enumerate(names) if n in _TIME_COLUMNS), 0)

@@ -35,6 +35,7 @@ from lightning_pulse.energy.carbon import (
     other_unit_hint,
     parse_series_start,
     parse_timestamp,
+    read_series_text,
     refuse_start_outside_series,
     time_described,
 )
@@ -66,7 +67,7 @@ def series_from_json(path: str | Path, field: str = "signal") -> TimeSeries:
     (times ISO 8601, naive = UTC, or Unix seconds)."""
     path = Path(path)
     try:
-        items = json.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is skipped
+        items = json.loads(read_series_text(path, field))  # a BOM (Windows editors, PowerShell) is skipped
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"`{field}`={str(path)!r} is not a readable JSON file ({error}).") from None
     return series_from_pairs(items, field, name=path.name)
