@@ -10,8 +10,8 @@ Each now saves its state as before the step's booking (``compat.in_unfinished_st
 
 The save is made the simplest faithful way: inside ``optimizer.step``, after the closure (forward, backward,
 ``on_before_optimizer_step``) and before the update, by the module's ``optimizer_step``; the fit goes on, so
-the same run is the uninterrupted reference. Saves land at an epoch's first batch: a plain DataLoader
-resumes there bit for bit.
+the same run is the uninterrupted reference. Saves land at an epoch's first batch, where a plain DataLoader
+resumes bit for bit, or anywhere with ``ResumableLoader``, which resumes mid-epoch.
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ class ClosureFirstSGD(torch.optim.SGD):
 class Net(pl.LightningModule):
     """An MLP that saves a checkpoint inside ``optimizer.step`` (after the closure, before the update) at global
     step ``save_at`` (``where="training_step"``: inside ``training_step``, before the backward), or raises
-    there (``where="raise"``). ``spike_at``: the loss is 1000x at that step."""
+    there (``where="raise"``). ``spike_at``: the loss is 1000x at that step (or those steps)."""
 
     def __init__(self, save_at=None, path=None, where="optimizer_step", spike_at=None):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-        self.save_at, self.path, self.where, self.spike_at = save_at, path, where, spike_at
+        self.save_at, self.path, self.where = save_at, path, where
+        self.spike_at = (spike_at,) if isinstance(spike_at, int) else tuple(spike_at or ())
         self.inside: list[bool] = []  # compat.in_unfinished_step at the save
 
     def _here(self, where):
@@ -73,7 +74,7 @@ class Net(pl.LightningModule):
         self._here("training_step")
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
-        return loss * 1000 if self.trainer.global_step == self.spike_at else loss
+        return loss * 1000 if self.trainer.global_step in self.spike_at else loss
 
     def configure_optimizers(self):
         return ClosureFirstSGD(self.parameters(), self._inside_step, lr=0.05, momentum=0.9)
@@ -83,20 +84,43 @@ class Net(pl.LightningModule):
         self._here("raise")
 
 
-def loader():
+class ResumableLoader(DataLoader):
+    """A DataLoader whose checkpoint state is the batch Lightning trains next (the epoch's batches it
+    completed: a batch in flight is trained again), so a resume mid-epoch goes on with the same data."""
+
+    trainer: pl.Trainer | None = None
+    skip = 0
+
+    def __iter__(self):
+        batches, (skip, self.skip) = super().__iter__(), (self.skip, 0)
+        for _ in range(skip):
+            next(batches)
+        return batches
+
+    def state_dict(self):
+        return {"at": self.trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state):
+        self.skip = state["at"]
+
+
+def loader(resumable=False):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32 * BATCHES, 20, generator=g)
     y = (x @ torch.randn(20, 4, generator=g)).argmax(1)
-    return DataLoader(TensorDataset(x, y), batch_size=32)  # no shuffle
+    return (ResumableLoader if resumable else DataLoader)(TensorDataset(x, y), batch_size=32)  # no shuffle
 
 
-def fit(root, callbacks, max_steps, ckpt_path=None, **model_kwargs):
+def fit(root, callbacks, max_steps, ckpt_path=None, resumable=False, **model_kwargs):
     model = Net(**model_kwargs)
     extra = [c for c in callbacks if isinstance(c, OnExceptionCheckpoint)]
     kwargs = trainer_kwargs(enable_checkpointing=bool(extra), default_root_dir=root, deterministic=True)
     trainer = pl.Trainer(callbacks=callbacks, max_steps=max_steps, **kwargs)
+    data = loader(resumable)
+    if resumable:
+        data.trainer = trainer
     try:
-        trainer.fit(model, loader(), ckpt_path=ckpt_path)
+        trainer.fit(model, data, ckpt_path=ckpt_path)
     except RuntimeError as error:
         assert "out of memory" in str(error)
     return trainer, model
@@ -131,7 +155,8 @@ def test_energy_logger_resumed_inside_a_step_counts_that_batch_once(tmp_path, wh
     resumed = energy_logger(tmp_path / "resumed")
     fit(tmp_path / "resumed", [resumed], 3 * BATCHES, ckpt_path=path)
     assert resumed.report["resumed_runs"] == 1
-    assert tables(resumed.report) == tables(energy.report)  # 832 samples without the fix
+    # without the fix the checkpoint held the batch in flight: the assert on `held` fails (9 batches, 288)
+    assert tables(resumed.report) == tables(energy.report)
 
 
 def test_energy_logger_after_an_exception_in_the_optimizer_step_saves_without_that_batch(tmp_path):
@@ -189,6 +214,98 @@ def test_gradient_cache_after_an_exception_in_the_optimizer_step_resumes_as_the_
     )
     assert resumed.events == full.events
     assert freezer_state(resumed) == freezer_state(full)
+    assert torch.equal(weights(resumed_model), weights(model))
+
+
+def test_gradient_cache_resumed_inside_a_freeze_step_in_the_middle_of_an_epoch(tmp_path):
+    """Global step 11 is the fourth batch of the second epoch and freezes the first unit (the step counting 12)."""
+    path = str(tmp_path / "mid_step.ckpt")
+    cache = gradient_cache()
+    _, model = fit(tmp_path / "full", [cache], 3 * BATCHES, resumable=True, save_at=11, path=path)
+    assert model.inside == [True]
+    saved = next(v for k, v in torch.load(path, weights_only=False)["callbacks"].items() if "Gradient" in k)
+    assert (saved["cache"]["steps"], saved["cache"]["frozen"]) == (11, [False, False, False])
+    resumed = gradient_cache()
+    _, resumed_model = fit(tmp_path / "resumed", [resumed], 3 * BATCHES, ckpt_path=path, resumable=True)
+    assert [event["step"] for event in resumed.events] == [
+        3,
+        9,
+        12,
+        18,
+        21,
+    ] and resumed.events == cache.events
+    assert freezer_state(resumed) == freezer_state(cache)
+    assert torch.equal(weights(resumed_model), weights(model))
+
+
+class UnfreezeOutsideUnits(Callback):
+    """``net.2`` frozen at train start (outside GradientCache's units), turned on at global step ``at``'s
+    batch start, in the middle of the first epoch: GradientCache finds it at the next window's end (step 6)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.net[2].requires_grad_(trainer.global_step >= self.at)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            pl_module.net[2].requires_grad_(True)
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["inside the retracing step", "after it"])
+def test_gradient_cache_resumed_around_a_retrace_resumes_as_the_uninterrupted_run(tmp_path, inside):
+    """The window end of global step 5 finds net.2 training and retraces the units (the freezer goes until the
+    next backward orders them). Inside that step the checkpoint held no freezer and the step counted: the
+    resume counted it again (windows a step early: events 8/14/17/23 for 9/15/18/24, weights 0.0111 off); it
+    holds the freezer as before the step now, and the resumed step finds net.2 at its window end again. After
+    the step (no freezer yet), the checkpoint lost the run's statistics (18 steps counted for 24, 2 freezes
+    for 3); it keeps them for the next freezer now."""
+    path, at = str(tmp_path / "mid_step.ckpt"), 4
+
+    def callbacks(root, save=False):
+        saver = [] if inside or not save else [SaveAtBatchEnd(6, path)]
+        return [UnfreezeOutsideUnits(at), gradient_cache(), *saver]
+
+    full = callbacks(tmp_path, save=True)
+    save = dict(save_at=5, path=path) if inside else {}
+    _, model = fit(tmp_path / "full", full, 3 * BATCHES, resumable=True, **save)
+    assert [(event["step"], event["reason"]) for event in full[1].events][:3] == [
+        (3, "check"),
+        (6, "retrace"),
+        (9, "check"),
+    ]
+    resumed = callbacks(tmp_path)
+    _, resumed_model = fit(tmp_path / "resumed", resumed, 3 * BATCHES, ckpt_path=path, resumable=True)
+    assert resumed[1].events == full[1].events
+    assert freezer_state(resumed[1]) == freezer_state(full[1])
+    assert torch.equal(weights(resumed_model), weights(model))
+    saved = next(v for k, v in torch.load(path, weights_only=False)["callbacks"].items() if "Gradient" in k)
+    if inside:  # the freezer before the step, which its window end retraces
+        assert (saved["cache"]["steps"], saved["cache"]["outgrown"]) == (5, True)
+        assert saved["events"][-1]["step"] == 3  # not the retrace's release
+    else:  # the units wait for their order: the statistics for their freezer
+        assert saved["cache"] is None and saved["statistics"]["steps"] == 6
+
+
+class TurnBackOn(Callback):
+    """Turns ``net.0`` (frozen by GradientCache at step 3) back on at global step 5's batch start."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 5:
+            pl_module.net[0].requires_grad_(True)
+
+
+def test_a_unit_turned_back_on_at_a_resumed_fits_first_batch_is_dated_as_its_step(tmp_path):
+    """The uninterrupted run finds the unit at global step 5's optimizer step (event step 6); the fit resumed
+    from inside that step finds it at its first batch, before the forward, which dated it 5."""
+    path = str(tmp_path / "mid_step.ckpt")
+    full = [TurnBackOn(), gradient_cache()]
+    _, model = fit(tmp_path / "full", full, 3 * BATCHES, resumable=True, save_at=5, path=path)
+    assert (6, "taken back") in [(event["step"], event["reason"]) for event in full[1].events]
+    resumed = [TurnBackOn(), gradient_cache()]
+    _, resumed_model = fit(tmp_path / "resumed", resumed, 3 * BATCHES, ckpt_path=path, resumable=True)
+    assert resumed[1].events == full[1].events
     assert torch.equal(weights(resumed_model), weights(model))
 
 
@@ -254,6 +371,36 @@ def test_stability_guard_resumed_inside_a_step_after_a_rollback_resumes_as_the_u
     resumed = cooling_guard()
     _, resumed_model = fit(tmp_path / "resumed", [resumed], 4 * BATCHES, ckpt_path=path, spike_at=spike_at)
     assert resumed_model.trainer.optimizers[0].param_groups[0]["lr"] == 0.05
+    assert detector_and_policy(resumed) == detector_and_policy(full)
+    assert torch.equal(weights(resumed_model), weights(model))
+
+
+def escalations(guard):
+    return guard.state_dict()["policy"]["escalations"]
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["inside the second spike's step", "before it"])
+def test_stability_guard_resumed_in_an_open_incident_books_its_scores(tmp_path, inside):
+    """Spikes at global steps 15 and 16 with ``rollback_after=2``: the second rolls back, and the escalation
+    books the thresholds both flagged steps pass at. A checkpoint saved between them (after the first's update,
+    or inside the second before its update) left the first's scores out, and the resumed escalation booked
+    ``scores=None`` (``[239.3, 58.5]`` uninterrupted)."""
+    from lightning_pulse.core.stability_policy import StabilityGuardConfig
+
+    def incident_guard():
+        config = StabilityGuardConfig(lr_factor_after_rollback=0.5, lr_cooldown_steps=10)
+        kwargs = dict(rollback_after=2, rollback_margin=1, snapshot_every=2, skip_after_rollback=1)
+        return StabilityGuard(warmup=5, window=10, config=config, **kwargs)
+
+    path, spikes = str(tmp_path / "incident.ckpt"), (2 * BATCHES - 1, 2 * BATCHES)
+    full = incident_guard()
+    save = dict(save_at=2 * BATCHES, path=path) if inside else {}
+    saver = [] if inside else [SaveAtBatchEnd(2 * BATCHES, path)]
+    _, model = fit(tmp_path / "full", [full, *saver], 4 * BATCHES, spike_at=spikes, **save)
+    assert full.rollbacks == 1 and escalations(full)[-1]["scores"] is not None
+    resumed = incident_guard()
+    _, resumed_model = fit(tmp_path / "resumed", [resumed], 4 * BATCHES, ckpt_path=path, spike_at=spikes)
+    assert escalations(resumed) == escalations(full)
     assert detector_and_policy(resumed) == detector_and_policy(full)
     assert torch.equal(weights(resumed_model), weights(model))
 

@@ -212,8 +212,8 @@ class GradientCache(compat.PulseStateKey, Callback):
             compat.check_run_shares(trainer)  # and a DataLoader rebuilt at another length moves the window
             self._lifecycle.follow_optimizers(trainer.optimizers)  # a recipe may have made new ones
             self._retrace(trainer, pl_module, check=True)
-            # a unit the user's code turned back on: released before the forward and the ledger
-            self._lifecycle.release_taken_back(trainer.global_step, self._replay)
+            # a unit turned back on: released before the forward (mid-epoch, a resume: dated as its step)
+            self._lifecycle.release_taken_back(trainer.global_step + (batch_idx > 0), self._replay)
         self._lifecycle.begin_forward()  # a resumed fit's first backward trains its prefix: graph checked
         if self._replay is not None:  # not that batch: its prefix's outputs require grad, no record of them
             self._replay.begin_batch(batch_idx, frozen=self._lifecycle.backward_prefix > 0)

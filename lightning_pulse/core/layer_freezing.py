@@ -395,6 +395,9 @@ class LayerFreezer:
         self._before_step: tuple[int, dict[str, Any], int] | None = None
         # a restored state's movements of the window its first step closes: (that step's count, by unit)
         self._known_movements: tuple[int, dict[int, tuple[float, float]]] | None = None
+        # a restored state saved inside a step whose window end found parameters outside the units training
+        # (``"outgrown"``): until that step is counted, the prefix it saved holds, as in the run that saved it
+        self._outgrown_at_close = False
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -556,6 +559,7 @@ class LayerFreezer:
         # of its own, before whatever this step decides); the state before it kept for state_before_step
         before = self._fields() if self._taken_back() else None
         taken_back = before is not None and self.set_prefix(0)
+        self._outgrown_at_close = False  # found again at this step's window end
         frozen_during_backward = [i for i, is_frozen in enumerate(self.frozen) if is_frozen]
         report = StepReport(
             frozen_share=self.frozen_share, taken_back=taken_back, held=frozen_during_backward
@@ -583,6 +587,8 @@ class LayerFreezer:
                 # rank 0's answer; the names are only for the message
                 self.misplaced = (self._unplaced_trained or ["<on rank 0>"]) if flags[-1] else []
             self.stable, self.outgrown = flags[:-2], flags[-2]
+            if self.outgrown:  # a resume from a state saved inside this step finds them here, not before it
+                before["outgrown"] = True
             report.changed = self.set_prefix(self._propose(enabled))
             self.step_in_window = 0
         elif (not enabled or self.misplaced) and any(self.frozen):
@@ -608,7 +614,7 @@ class LayerFreezer:
         """Whether a parameter outside the units requires grad now (under DDP rank 0's answer, from ``agree``);
         if so, release everything and freeze nothing more (:attr:`outgrown`). A loop over :attr:`outside`: call
         it where a freeze is decided, not at every step."""
-        grew = self.outgrown or self._outside_trains()
+        grew = self.outgrown or (not self._outgrown_at_close and self._outside_trains())
         if agree is not None:
             grew = bool(agree([grew])[0])
         if grew:
@@ -683,7 +689,7 @@ class LayerFreezer:
     def apply_requires_grad(self) -> None:
         """Turn off the parameters of the frozen units, and back on those of the others that this freezer
         turned off (after restoring a state). Nothing stays frozen once a parameter outside the units trains."""
-        if self.outgrown or self._outside_trains():
+        if self.outgrown or (not self._outgrown_at_close and self._outside_trains()):
             self.outgrown = True
             self.frozen = [False] * len(self.units)
         for unit, is_frozen in zip(self.units, self.frozen):
@@ -941,6 +947,7 @@ class LayerFreezer:
         if movements is not None:
             known = {int(i): (float(rate), float(growth)) for i, (rate, growth) in movements.items()}
             self._known_movements = (self.steps + 1, known)
+        self._outgrown_at_close = bool(state.get("outgrown", False))
 
 
 def freezer_from_state(
@@ -1208,6 +1215,8 @@ class FreezerLifecycle:
         self._marked = False  # this backward marked the units' inputs (under DDP, rank 0's are shared)
         self._model: nn.Module | None = None  # the fit's model: its parameters outside the units are watched
         self._statistics: dict[str, float] | None = None  # a retraced freezer's, for the next one to continue
+        # a freezer retraced in the step under way: its state before that step (LayerFreezer.state_before_step)
+        self._retraced_before: tuple[dict[str, Any], int] | None = None
         # under DDP, the parameters frozen when the strategy wrapped the model (read at fit start, right after
         # the wrap): its reducer left them out, so their gradients are never averaged once they train
         self.frozen_before_wrap: set[int] = set()
@@ -1282,6 +1291,7 @@ class FreezerLifecycle:
             ValueError: for a name in ``unit_names`` that ``model`` does not have (see :func:`discover_units`).
         """
         self._graph_checked, self._model, self._statistics, self._rare = False, model, None, []
+        self._retraced_before = None
         self.rolled_back_at, self._announced, self._step_counted, self._ended = None, None, False, False
         self._scan, self._reached_inside, self.gradients_lost, self._notes = None, [], [], []
         self.backward_reach.close()
@@ -1570,6 +1580,7 @@ class FreezerLifecycle:
         if not (freezer.check_outside(agree) if check else freezer.outgrown or freezer.misplaced):
             return None
         previous = [unit.name for unit in freezer.units if unit.used]  # merged with the next backward's order
+        self._retraced_before = freezer.state_before_step() if self._step_counted else None  # for state_dict
         if not freezer.outgrown:  # a unit the ordering backward missed got a gradient
             freezer.restore_requires_grad()
             self._statistics, self._graph_checked = freezer.run_statistics(), False
@@ -1707,7 +1718,7 @@ class FreezerLifecycle:
         counts): if it moved frozen parameters (:meth:`GradlessStepCheck.after_step`, found once), they are
         back where they were, every unit is released and nothing freezes again: returns the frozen prefix
         before that; ``None`` otherwise."""
-        self._step_counted, self._released_now = False, []
+        self._step_counted, self._released_now, self._retraced_before = False, [], None
         if not self.optimizer_check.after_step(agree):
             return None
         before = self.frozen_prefix
@@ -1753,6 +1764,8 @@ class FreezerLifecycle:
         pinned = self.start(saved if units is None else None, model, units)
         if units is not None:
             self._take_over_saved_run(state, units, step, ledger, info)
+        elif saved is None and state is not None and state.get("statistics"):
+            self._statistics = dict(state["statistics"])  # saved after a retrace, before the units' order
         if state is not None:
             self.replan(replay)
             self.load_optimizer_check(state.get("optimizer_check"))
@@ -1847,16 +1860,23 @@ class FreezerLifecycle:
         own); the :attr:`pending` state as it came while a restored fit trained nothing (no :meth:`resume`
         came). ``in_unfinished_step``: saved inside a training step whose update has not run, which a resume
         trains again (``compat.in_unfinished_step``): where the freezer counted that step already, its state
-        and events as before it (:meth:`LayerFreezer.state_before_step`), so the resume counts it once."""
+        and events as before it (:meth:`LayerFreezer.state_before_step`), so the resume counts it once; also
+        where that step's window end retraced the units and dropped it (:meth:`retrace`). Without a freezer
+        (the units wait for their order after a retrace): the run's statistics (``"statistics"``), which the
+        next freezer continues."""
         if self.pending is not None:
             return dict(self.pending)
         freezer, events = self.freezer, list(events)
         cache = freezer.state_dict() if freezer is not None else None
-        if in_unfinished_step and self._step_counted and freezer is not None:
-            if (before := freezer.state_before_step()) is not None:
+        if in_unfinished_step and self._step_counted:  # the freezer of that step, also one it retraced
+            before = freezer.state_before_step() if freezer is not None else self._retraced_before
+            if before is not None:
                 cache, recorded = before
                 del events[len(events) - recorded :]  # record_step's, for that step
+        # units waiting for their order after a retrace: the run's statistics, which their freezer continues
+        statistics = {"statistics": dict(self._statistics)} if cache is None and self._statistics else {}
         return {
+            **statistics,
             "cache": cache,
             "ledger": ledger,
             "events": events,

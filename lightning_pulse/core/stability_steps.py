@@ -625,6 +625,8 @@ class StabilityCore:
         self.level_steps = 0
         self.flagged_losses: dict[int, tuple[float, float | None]] = {}
         self.flagged_scores: dict[int, Clearing] = {}  # the open incident's (SpikeDetector.clearing_scores)
+        # a checkpoint's (flagged_losses, flagged_scores): its open incident, for this fit's start
+        self.resumed_flagged: tuple[dict[int, tuple[float, float | None]], dict[int, Clearing]] = ({}, {})
         # whether a restored checkpoint's loss windows hold the negated loss (None: nothing restored)
         self.resumed_maximized: bool | None = None
         # the optimizers ascend the loss (maximizes_loss, read at train start): every loss is judged negated
@@ -816,7 +818,7 @@ class StabilityCore:
         self.check_oom_warned = False
         self.rerun_failed_warned = False
         self.level.start()
-        self.flagged_losses, self.flagged_scores = {}, {}
+        (self.flagged_losses, self.flagged_scores), self.resumed_flagged = self.resumed_flagged, ({}, {})
         self.detector.held, self.before_step = None, None
         self.fit_start_accepted = self.detector.accepted_steps
         self.fit_start_unjudged = self.detector.unjudged_losses
@@ -1650,6 +1652,11 @@ class StabilityCore:
             "level": {**self.level.state_dict(), "applied": self.level_steps},
             "written_by_forwards": list(self.pre_step.names),
             "maximized": self.maximized,  # the sign of the loss windows' values
+            # the open incident's flagged steps: a rollback or stop after the resume books their scores
+            "flagged": {
+                "losses": {step: list(values) for step, values in self.flagged_losses.items()},
+                "scores": {step: list(clearing) for step, clearing in self.flagged_scores.items()},
+            },
         }
         if snapshots := self.incident_snapshots():
             state["incident_snapshots"] = [snapshot_state(snapshot) for snapshot in snapshots]
@@ -1686,6 +1693,14 @@ class StabilityCore:
         self.resumed_snapshots = [snapshot_from_state(s) for s in state_dict.get("incident_snapshots", [])]
         # a checkpoint from before the direction was read judged the loss as returned
         self.resumed_maximized = bool(state_dict.get("maximized", False))
+        flagged = state_dict.get("flagged", {})  # absent before this version: the incident's steps unknown
+        self.resumed_flagged = (
+            {
+                int(step): (float(loss), None if grad is None else float(grad))
+                for step, (loss, grad) in flagged.get("losses", {}).items()
+            },
+            {int(step): Clearing(*map(float, scores)) for step, scores in flagged.get("scores", {}).items()},
+        )
 
 
 def maximize_changed_message(saved: bool, own: bool) -> str:
