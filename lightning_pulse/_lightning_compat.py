@@ -1040,6 +1040,22 @@ def replace_batch_sampler(loader: Any, batch_sampler: Any) -> None:
         loader._iterator = None
 
 
+def without_persistent_workers(loader: Any) -> Any:
+    """``loader``, or where it is a DataLoader with persistent workers, a copy of it without them: iterating
+    the copy builds an iterator of its own (workers seeded, and an IterableDataset sharded, as the loader's
+    are; shut down once it is dropped) and leaves the loader's iterator alone. Lightning's first validation
+    builds that one, drawing its base seed from the global generator, and only resets it from then on: one
+    built elsewhere would leave the run's generator a draw behind."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader) or not loader.persistent_workers:
+        return loader
+    transient = copy.copy(loader)
+    object.__setattr__(transient, "persistent_workers", False)  # DataLoader.__setattr__ forbids it once built
+    object.__setattr__(transient, "_iterator", None)
+    return transient
+
+
 def gradients_read_before_step(trainer: pl.Trainer, pl_module: pl.LightningModule, caller: Any) -> bool:
     """Whether code that Lightning runs after ``caller``'s ``on_before_optimizer_step`` and before the optimizer
     step may read gradients, and fail on parameters that all lack one: a later callback's or the module's own

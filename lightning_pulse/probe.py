@@ -46,7 +46,9 @@ def first_validation_batches(
     that Lightning would validate on.
 
     Taken inside ``isolate_rng``: creating a DataLoader iterator draws a seed from the global generator, and
-    an evaluation must not change the training run's shuffling or dropout.
+    an evaluation must not change the training run's shuffling or dropout. A loader with persistent workers is
+    read through a copy without them (``compat.without_persistent_workers``): its own iterator, which the
+    fit's first validation builds (drawing that seed) and only resets from then on, is never the probe's.
     """
     loaders = compat.val_dataloader_of(trainer, pl_module)
     several = isinstance(loaders, (list, tuple, Mapping)) and len(loaders) > 1
@@ -60,7 +62,7 @@ def first_validation_batches(
     if loaders is None or count < 1:
         return batches, several
     with isolate_rng():
-        for batch in loaders:
+        for batch in compat.without_persistent_workers(loaders):
             batches.append(batch)
             if len(batches) >= count:
                 break
@@ -110,7 +112,8 @@ def run_validation_probe(
 ) -> dict[str, float]:
     """Evaluate the module's own ``validation_step`` on ``batches`` (of the first of ``several`` validation
     dataloaders: then called with ``dataloader_idx=0``, as Lightning does) and return what it logs, reduced as
-    Lightning's epoch end reduces it: a mean (the default ``reduce_fx``) weighted by each batch's size
+    Lightning's epoch end reduces it (each batch a copy, prepared as Lightning prepares a fresh one, so
+    ``batches`` stay as they are): a mean (the default ``reduce_fx``) weighted by each batch's size
     (``self.log(..., batch_size=...)``, else inferred from the batch as Lightning infers it, only for these), so
     a short last batch counts for its samples; ``"sum"``, ``"max"`` and ``"min"`` as named; a torchmetrics
     object computed once, after the last batch, over all the batches it saw. A value logged with
@@ -189,6 +192,9 @@ def run_validation_probe(
             outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()),
         ):
             for index, batch in enumerate(batches):
+                # a copy: a module that transforms its batch in place (`batch["x"] = transforms(batch["x"])`
+                # in on_before_batch_transfer, an in-place op on CPU) leaves the kept batch as it came
+                batch = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
                 batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
                 inferred_size = None
                 if several:

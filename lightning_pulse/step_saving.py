@@ -712,6 +712,8 @@ class StepSavingLoader:
             return
         if compat.in_batch_norm_update_epoch(trainer):  # SWA's last epoch: nothing planned follows
             return
+        # where no batch was skipped, the sampler ran out short of the samples its length promised
+        ran_out = f"its sampler ran out after {self.stream.samples} of the {self.stream.pass_samples} samples"
         light_phases, run, batch_norm_step = self._planned_with
         cycle, epoch, step = pulse_cycle_of(trainer), self.stream.epoch, trainer.global_step
         bounded, stream, drawn = run["max_epochs"] is not None, self.stream, self.stream.batches
@@ -741,7 +743,11 @@ class StepSavingLoader:
             clock, light_phases, step, skipped, too_long if ends else None, **run
         )
         run_steps = plan.run_steps(bounded)
-        why = " (the module's `on_train_batch_start` returned -1)" if skipped else ""
+        why = (
+            " (the module's `on_train_batch_start` returned -1)"
+            if skipped
+            else f" ({ran_out} planned from its length)"
+        )
         cut = f"epoch {epoch} ended after {trained} of its {planned} planned batches{why}"
         if ends and (past := outrun(plan)) is not None:
             name, length, left, every, given = past

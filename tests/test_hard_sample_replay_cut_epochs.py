@@ -405,3 +405,53 @@ def test_a_plan_made_again_counts_a_frequency_2_schedules_steps_per_epoch_as_lig
     assert "the per-step OneCycleLR, which has 4 steps left" in caplog.text
     assert trainer.global_step == 30 and schedule.last_epoch == schedule.total_steps == 15
     assert _misplaced(rows) == []
+
+
+class Filtering(torch.utils.data.Sampler):
+    """A length-filtering sampler: yields the 128 samples short enough to train (8 batches), while its
+    length says the dataset's 192 (as many such samplers do); Lightning ends each epoch where it runs out."""
+
+    def __iter__(self):
+        return iter([index for index in range(SAMPLES) if index % 3 != 2])
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+
+class FilteredEpochs(EndsEpochsEarly):
+    def train_dataloader(self):
+        return DataLoader(Samples(), batch_size=BATCH, sampler=Filtering())
+
+
+def test_epochs_a_sampler_ends_short_of_its_length_are_not_blamed_on_the_module(tmp_path, caplog):
+    """Sweep: under a sampler whose length overstates, PulseCycle's end line said the epochs ended because
+    `on_train_batch_start` returned -1 (the module has none) and that the share was no saving against the
+    plain run, whose steps it called unknown; the plain run takes 32 steps, as the line's figure says."""
+    plain = pl.Trainer(**trainer_kwargs(max_epochs=4, default_root_dir=tmp_path))
+    plain.fit(FilteredEpochs(stop=99))
+    with caplog.at_level(logging.INFO):
+        trainer, _ = _fit(FilteredEpochs(stop=99), tmp_path)
+    assert plain.global_step == 32 and trainer.global_step < 32
+    assert f"of the plain run's {plain.global_step} over the same data" in caplog.text
+    assert "returned -1" not in caplog.text and "no saving against it" not in caplog.text
+    assert (
+        "epoch 0 ended after 8 of its 11 planned batches (its sampler ran out after 128 of the 192 samples "
+        in caplog.text
+    )
+    assert (
+        "epochs ended before their planned passes did: the sampler gave fewer samples than its length says"
+        in caplog.text
+    )
+
+    # one epoch the module ends (-1 at its 5th batch), the others the sampler: both causes, counted
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        _fit(FilteredEpochs(stop=4, cut=(0,)), tmp_path)
+    assert (
+        "epoch 0 ended after 4 of its 11 planned batches (the module's `on_train_batch_start` returned -1)"
+        in (caplog.text)
+    )
+    assert (
+        "4 epochs ended before their planned passes did (3 because the sampler gave fewer samples than its "
+        "length says, 1 because `on_train_batch_start` returned -1)"
+    ) in caplog.text

@@ -66,8 +66,11 @@ class StepPlan:
     # of that epoch's pass, see StepSavingStream._drop_rest_of_pass): no saving, so left out of the ratios
     plain_dropped: int = 0
     # epochs of a max_epochs run that Lightning ended before their planned pass did (the module's
-    # on_train_batch_start returned -1), their rests dropped (in plain_dropped): see StepSavingStream.cut_pass
+    # on_train_batch_start returned -1, or the sampler ran out short of its length), their rests dropped (in
+    # plain_dropped): see StepSavingStream.cut_pass
     epochs_cut: int = 0
+    # of those, the epochs the sampler ended: it gave fewer samples than its length, which the plan was made of
+    sampler_cuts: int = 0
 
     @property
     def span(self) -> int:
@@ -116,10 +119,21 @@ class StepPlan:
             return ""
         epochs = "1 epoch" if self.epochs_cut == 1 else f"{self.epochs_cut} epochs"
         passes = "its planned pass" if self.epochs_cut == 1 else "their planned passes"
+        by_hook, by_sampler = self.epochs_cut - self.sampler_cuts, self.sampler_cuts
+        sampler = "the sampler gave fewer samples than its length says"
+        if not by_hook:  # the plain run's epochs end where the sampler runs out too, over the same samples
+            return (
+                f"{epochs} ended before {passes} did: {sampler}, and Lightning ends an epoch where its sampler "
+                "runs out. The plan, and the plain run's steps the fit's first line named, counted on that "
+                "length; the plain run's epochs end where the sampler's do too, so its steps here, over the "
+                "samples the sampler gave, are the plain run's."
+            )
+        hook = "`on_train_batch_start` returned -1"
+        why = f"{by_sampler} because {sampler}, {by_hook} because {hook}" if by_sampler else hook
         return (
-            f"{epochs} ended before {passes} did (`on_train_batch_start` returned -1): the plain run of this "
-            "module ends its epochs by that rule too, after other samples, so its steps are not known here, "
-            "and this is no saving against it."
+            f"{epochs} ended before {passes} did ({why}): the plain run of this module ends its epochs by "
+            "that rule too, after other samples, so its steps are not known here, and this is no saving "
+            "against it."
         )
 
     @property
@@ -801,7 +815,9 @@ class StepSavingStream:
         if plain_dropped := int(resume.get("plain_dropped", 0)):
             self.plan = replace(self.plan, plain_dropped=plain_dropped)
         if epochs_cut := int(resume.get("epochs_cut", 0)):
-            self.plan = replace(self.plan, epochs_cut=epochs_cut)
+            self.plan = replace(
+                self.plan, epochs_cut=epochs_cut, sampler_cuts=int(resume.get("sampler_cuts", 0))
+            )
         saved_plain_steps = resume.get("plain_steps")
         self.replanned_for_another_length = saved_plain_steps not in (None, self.plan.plain_steps)
         # a checkpoint of an older version holds no count: its plain passes' samples, as plan_steps reckons
@@ -852,10 +868,11 @@ class StepSavingStream:
         **run: int | bool | None,
     ) -> tuple[StepPlan, bool]:
         """Plan the rest of the run again at the end of an epoch that Lightning ended before its planned pass
-        did (the module's ``on_train_batch_start`` returned -1): the next pass starts at optimizer ``step``,
+        did (the module's ``on_train_batch_start`` returned -1, or the sampler ran out): the next pass starts at optimizer ``step``,
         not at the step the plan gave it, so its batches, planned for other phases, would have trained in
         these (replay windows in a burst, plain batches in the replay phase). ``latest_untrained``: the pass's
-        latest batch was drawn and did not train (the one the hook returned -1 for). ``run``: as
+        latest batch was drawn and did not train (the one the hook returned -1 for; else the sampler ran out,
+        which :attr:`StepPlan.sampler_cuts` counts). ``run``: as
         :meth:`make_plan` takes it.
 
         Where ``max_epochs`` bounds the run, the rest of the pass is dropped as a resume from a stop inside an
@@ -887,8 +904,9 @@ class StepSavingStream:
             )
             if bounded_by_epochs:  # max_epochs ends the run where its data does, short of the old total
                 self.plan = plan = replace(plan, total_steps=plan.run_steps(True), data_steps=None)
-        if self.dropped_pass_rest is not None:
-            self.plan = plan = replace(plan, epochs_cut=plan.epochs_cut + 1)
+        if self.dropped_pass_rest is not None:  # no batch left untrained: the sampler ran out
+            cuts, by_sampler = plan.epochs_cut + 1, plan.sampler_cuts + int(not latest_untrained)
+            self.plan = plan = replace(plan, epochs_cut=cuts, sampler_cuts=by_sampler)
         for name, value in kept.items():
             setattr(self, name, value)
         assert self._resume is not None
@@ -982,8 +1000,10 @@ class StepSavingStream:
         were dropped (its checkpoints are as they were)."""
         if self.plan is None or not (self.plan.plain_dropped or self.plan.epochs_cut):
             return {}
-        return {"plain_dropped": self.plan.plain_dropped} | (
-            {"epochs_cut": self.plan.epochs_cut} if self.plan.epochs_cut else {}
+        return (
+            {"plain_dropped": self.plan.plain_dropped}
+            | ({"epochs_cut": self.plan.epochs_cut} if self.plan.epochs_cut else {})
+            | ({"sampler_cuts": self.plan.sampler_cuts} if self.plan.sampler_cuts else {})
         )
 
     def _joined_state(self) -> dict[str, int]:
