@@ -51,6 +51,7 @@ from lightning_pulse.core.sample_index import (
     PlannedBatchSampler,
     RanksReadAhead,
     SampleIndexTracker,
+    draws_each_index_once,
     read_ahead_of_rank,
 )
 from lightning_pulse.core.step_plan import (
@@ -187,6 +188,8 @@ class StepSavingLoader:
         self._sampler: PlannedBatchSampler | None = None
         self._choose: Callable[[list[list[int]], list[int], list[int], float], list[Any]] | None = None
         self._selector: HardSampleSelector | None = None  # its table's running prior is the passes' prior
+        # the index sampler may draw a sample twice in a pass: each pass keeps the scores it began with
+        self._repeats = False
         # the lengths the run had without the plan: a per-step schedule built for one of them stops part-way
         # through its course (see refuse_schedules_cut_short)
         self._unplanned: UnplannedLengths | None = None
@@ -362,6 +365,7 @@ class StepSavingLoader:
             cap,
         )  # weak: kept after the fit, not the Trainer
         self._choose = choose
+        self._repeats = not draws_each_index_once(sampler)
         self._sampler = PlannedBatchSampler(batches, self._sizes_for_pass, plain_batches, self._cut)
         compat.replace_batch_sampler(loader, self._sampler)
         if compat.epoch_restarting(trainer):  # the plan goes on after the batch saved at, as Lightning would
@@ -466,6 +470,8 @@ class StepSavingLoader:
         if early and self.loader is not None:  # the pass's epoch, which Lightning sets only after the draw
             compat.set_sampler_epoch(self.loader, self.stream.epoch)
         self._sampler.start_pass_at(self.stream.batches)
+        if self._repeats and self._selector is not None:  # before the pass chooses, and trains, any window
+            self._selector.table.begin_pass(self.stream.pass_step, self.stream.given_pass_scores)
         given, of_ranks, note = read_ahead_of_rank(
             self.stream.given_cuts_of_ranks, self.stream.given_cuts, trainer.global_rank, trainer.world_size
         )
@@ -517,6 +523,11 @@ class StepSavingLoader:
             state["fixed_cuts_of_ranks"] = of_ranks
         elif own and of_ranks is None:
             state["fixed_cuts"] = own
+        # a sampler that may draw a sample twice in a pass: the pass-start scores of those trained in it so
+        # far (the same on every rank), which the rest of the pass chooses from. Its trained samples only
+        if self._repeats and self._selector is not None and state["batches"] < self.epoch_batches:
+            if (kept := self._selector.table.pass_start_state()) is not None:
+                state["pass_scores"] = kept
         return state
 
     def choose_again(self) -> None:

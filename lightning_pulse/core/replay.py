@@ -1028,15 +1028,17 @@ class HardSampleSelector:
 
         ``steps[i]`` is the optimizer step window ``i`` will train at and ``prior`` the score prior at its
         pass's start, so the choice does not depend on how far ahead the DataLoader reads: within a pass no
-        window sample is rescored (each sample comes once per pass). One call chooses a whole pass, so top-k is
-        a handful of array operations per pass rather than per step.
+        window sample is rescored (each sample comes once per pass), or, for a sampler that may draw a sample
+        twice, the table reads the pass's samples as they stood at its start
+        (:meth:`~lightning_pulse.core.sample_scores.SampleScoreTable.begin_pass`). One call chooses a whole
+        pass, so top-k is a handful of array operations per pass rather than per step.
         """
         if not windows:
             return []
         sizes = np.fromiter((len(w) for w in windows), dtype=np.int64, count=len(windows))
         slots = np.fromiter((i for w in windows for i in w), dtype=np.int64, count=int(sizes.sum()))
         at_step = np.repeat(np.asarray(steps, dtype=np.int64), sizes)
-        scores = self.table.effective_array(slots, at_step, prior)
+        scores = self.table.pass_start_array(slots, at_step, prior)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         if self.config.rule != "topk":
             chosen = []

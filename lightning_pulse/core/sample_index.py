@@ -27,7 +27,16 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+)
 
 from lightning_pulse.core.selection import holds_item_per_sample
 from lightning_pulse.energy.counting import batch_tensors
@@ -397,6 +406,27 @@ class PlannedBatchSampler(BatchSampler):
 
     def __len__(self) -> int:
         return self.plain_length
+
+
+def draws_each_index_once(sampler: Any) -> bool:
+    """Whether the index ``sampler`` draws no dataset index twice in a pass, over every rank's shard: torch's
+    ``SequentialSampler``, ``RandomSampler`` without replacement over at most its data,
+    ``SubsetRandomSampler`` of distinct indices, and ``DistributedSampler`` with no padding sample (its
+    shards split one permutation). Any other may repeat one (a ``WeightedRandomSampler``, a class-balanced
+    sampler drawing with replacement, Lightning's wrapper of a custom sampler), so a pass's later choice of
+    its window could read a score from the same pass: see
+    :meth:`~lightning_pulse.core.sample_scores.SampleScoreTable.begin_pass`."""
+    kind = type(sampler)
+    if kind is SequentialSampler:
+        return True
+    if kind is RandomSampler:
+        return not sampler.replacement and sampler.num_samples <= len(sampler.data_source)
+    if kind is SubsetRandomSampler:
+        indices = np.asarray(sampler.indices)
+        return bool(np.unique(indices).size == indices.size)
+    if kind is DistributedSampler:
+        return sampler.total_size <= len(sampler.dataset)  # type: ignore[arg-type]  # no padding sample
+    return False
 
 
 class RanksReadAhead:

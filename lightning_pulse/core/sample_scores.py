@@ -11,7 +11,8 @@ again, and a once-hard sample does not stay "hard" forever on an old measurement
 (age 0) whenever its sample is trained on again.
 
 Memory bound (documented in ``docs/hard-sample-replay.md``): 14 bytes per dataset sample (float32 score,
-int32 step, int32 replay count, two bool flags), allocated once: 14 MB for a million samples.
+int32 step, int32 replay count, two bool flags), allocated once: 14 MB for a million samples; 8 more while
+the scores a pass began with are kept (:meth:`SampleScoreTable.begin_pass`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 BYTES_PER_SAMPLE = 4 + 4 + 4 + 1 + 1
+_UNKEPT = -2  # a pass-start step that no entry holds (-1: never scored)
 
 
 def _np_indices(indices: Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
@@ -88,6 +90,11 @@ class SampleScoreTable:
         self.awaiting = np.zeros(num_samples, dtype=bool)  # replayed, not yet measured again
         self.learned = np.zeros(num_samples, dtype=bool)
         self.prior = math.nan
+        # see begin_pass: the step the pass under way began at, and each entry's score and step before its
+        # first write in that pass (allocated at the first such pass)
+        self.pass_start: int | None = None
+        self._start_scores: np.ndarray | None = None
+        self._start_steps: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
@@ -135,6 +142,7 @@ class SampleScoreTable:
             if threshold is not None and math.isfinite(threshold):
                 self.learned[slots[awaiting & (values < threshold)]] = True
             self.awaiting[slots] = False
+        self._keep_pass_start(slots, step)
         self.scores[slots] = values
         self.steps[slots] = step
         self._fold_mean(float(np.add.reduce(values, dtype=np.float64)) / values.size)
@@ -191,8 +199,10 @@ class SampleScoreTable:
                 self.learned[written[awaiting & (values < entry_thresholds)]] = True
                 self.awaiting[written] = False
             entry_steps = np.repeat(steps.astype(np.int32), sizes)
+            entry_steps = entry_steps if finite.all() else entry_steps[finite]
+            self._keep_pass_start(written, entry_steps)
             self.scores[written] = values
-            self.steps[written] = entry_steps if finite.all() else entry_steps[finite]
+            self.steps[written] = entry_steps
         # the running mean folds in each step's mean of finite losses, in order
         kept = np.zeros(losses.size, dtype=np.float64)
         kept[finite] = values
@@ -205,6 +215,34 @@ class SampleScoreTable:
             marked = slots[replayed]
             self.replays[marked] += 1
             self.awaiting[marked] = True
+
+    def begin_pass(self, step: int, kept: Mapping[str, Any] | None = None) -> None:
+        """A pass that may draw a sample twice starts at optimizer ``step``: until the next pass, keep each
+        entry's score and step from before its first write at a step of the pass, so that
+        :meth:`pass_start_array` reads the pass's samples as they stood when it began, however many of them
+        trained since. ``kept``: :meth:`pass_start_state` of the same pass, saved (a resume inside it).
+        Costs 8 bytes per sample, allocated once."""
+        if self._start_scores is None or self._start_steps is None:
+            self._start_scores = np.full(self.num_samples, np.nan, dtype=np.float32)
+            self._start_steps = np.full(self.num_samples, _UNKEPT, dtype=np.int32)
+        else:
+            self._start_steps[:] = _UNKEPT
+        self.pass_start = int(step)
+        if kept is not None:
+            slots = torch.as_tensor(kept["slots"]).numpy().astype(np.int64, copy=False)
+            self._start_scores[slots] = torch.as_tensor(kept["scores"]).numpy()
+            self._start_steps[slots] = torch.as_tensor(kept["steps"]).numpy()
+
+    def _keep_pass_start(self, slots: np.ndarray, steps: int | np.ndarray) -> None:
+        """Before ``slots`` are written at ``steps``: keep the entries written for the first time in the pass
+        under way (see :meth:`begin_pass`)."""
+        start, kept_steps = self.pass_start, self._start_steps
+        if start is None or kept_steps is None or self._start_scores is None:
+            return
+        first = slots[(self.steps[slots] < start) & (np.asarray(steps) >= start)]
+        if first.size:
+            self._start_scores[first] = self.scores[first]
+            kept_steps[first] = self.steps[first]
 
     def _fold_mean(self, batch_mean: float) -> None:
         if math.isnan(self.prior):
@@ -223,11 +261,15 @@ class SampleScoreTable:
 
     # ------------------------------------------------------------------ reads
     def _effective(self, slots: np.ndarray, step: int | np.ndarray, prior: float | None = None) -> np.ndarray:
-        scores = self.scores[slots]
+        return self._age_weighted(self.scores[slots], self.steps[slots], step, prior)
+
+    def _age_weighted(
+        self, scores: np.ndarray, steps: np.ndarray, step: int | np.ndarray, prior: float | None
+    ) -> np.ndarray:
         prior = self.prior if prior is None else prior
         if self.half_life is None or math.isnan(prior):
             return scores
-        age = np.maximum(step - self.steps[slots], 0).astype(np.float32)
+        age = np.maximum(step - steps, 0).astype(np.float32)
         return prior + (scores - prior) * np.exp2(-age / np.float32(self.half_life))
 
     def effective(self, indices: Tensor | np.ndarray, step: int) -> Tensor:
@@ -241,6 +283,41 @@ class SampleScoreTable:
         ``step`` may be one step per index; ``prior`` replaces the running prior (a sampler choosing ahead of
         training fixes it per pass)."""
         return self._effective(_np_indices(indices), step, prior)
+
+    def pass_start_array(
+        self, indices: Tensor | np.ndarray, step: int | np.ndarray, prior: float | None = None
+    ) -> np.ndarray:
+        """:meth:`effective_array` of the entries as they stood when the pass under way began (see
+        :meth:`begin_pass`): an entry written since reads its earlier score and step. The same as
+        :meth:`effective_array` when no pass keeps its starting scores."""
+        slots = _np_indices(indices)
+        start, kept_steps = self.pass_start, self._start_steps
+        if start is None or kept_steps is None or self._start_scores is None:
+            return self._effective(slots, step, prior)
+        scores, steps = self.scores[slots], self.steps[slots]
+        # an entry written in the pass and kept (not one written before it began to keep: an older checkpoint)
+        earlier = (steps >= start) & (kept_steps[slots] != _UNKEPT)
+        if earlier.any():
+            scores, steps = scores.copy(), steps.copy()
+            scores[earlier] = self._start_scores[slots[earlier]]
+            steps[earlier] = kept_steps[slots[earlier]]
+        return self._age_weighted(scores, steps, step, prior)
+
+    def pass_start_state(self) -> dict[str, Tensor] | None:
+        """The kept starting entries (see :meth:`begin_pass`) that the table's own no longer hold (written in
+        the pass since): ``slots``, ``scores`` and ``steps``, each ``(n,)``; ``None`` when there are none.
+        Only samples that trained in the pass so far, and only while a pass keeps them."""
+        start, kept_steps = self.pass_start, self._start_steps
+        if start is None or kept_steps is None or self._start_scores is None:
+            return None
+        slots = np.flatnonzero((self.steps >= start) & (kept_steps != _UNKEPT))
+        if slots.size == 0:
+            return None
+        return {
+            "slots": torch.from_numpy(slots.astype(np.int32 if self.num_samples < 2**31 else np.int64)),
+            "scores": torch.from_numpy(self._start_scores[slots].copy()),
+            "steps": torch.from_numpy(kept_steps[slots].copy()),
+        }
 
     def _scored(self) -> np.ndarray:
         return np.flatnonzero(self.steps >= 0)

@@ -671,6 +671,9 @@ class StepSavingStream:
         self.given_cuts: list[Any] = []
         # under DDP, every rank's such cuts (rank r's at [r]); None in a checkpoint that holds rank 0's only
         self.given_cuts_of_ranks: list[list[Any]] | None = None
+        # a resumed pass's scores as they stood at its start, of the samples it trained before the checkpoint
+        # (SampleScoreTable.pass_start_state; None: none saved)
+        self.given_pass_scores: dict[str, Any] | None = None
         self._resume: dict[str, Any] | None = None
         self._first_pass = True
         self._plain_pass: list[int] = []
@@ -854,7 +857,7 @@ class StepSavingStream:
         rest = samples_per_epoch - resume["samples"]
         trained = resume.get("trained", resume["epoch"] * samples_per_epoch + resume["samples"])
         resume.update(epoch=lightning_epoch, samples=0, batches=0, trained=trained + rest)
-        for key in ("pass_step", "pass_prior", "fixed_cuts", "fixed_cuts_of_ranks"):  # of the dropped pass
+        for key in _PASS_UNDER_WAY:  # of the dropped pass
             resume.pop(key, None)
         return dropped
 
@@ -925,7 +928,7 @@ class StepSavingStream:
         skip, done = 0, 0
         self.held = None  # a pass runs: the stream moves on from the restored state
         self.pass_step, self.pass_prior, self.given_cuts = int(step), float(prior), []
-        self.given_cuts_of_ranks = None
+        self.given_cuts_of_ranks = self.given_pass_scores = None
         if self._first_pass and self._resume is not None:
             resume = self._resume
             epoch, skip, done = resume["epoch"], resume["samples"], resume["batches"]
@@ -934,6 +937,7 @@ class StepSavingStream:
                 self.pass_prior = float(resume.get("pass_prior", prior))
                 self.given_cuts = list(resume.get("fixed_cuts", []))
                 self.given_cuts_of_ranks = resume.get("fixed_cuts_of_ranks")
+                self.given_pass_scores = resume.get("pass_scores")
         self._first_pass = self.cut_pending = False
         self.epoch, self.samples, self.batches, self.latest = epoch, skip, done, 0
         sizes = self.plan.sizes_of(epoch)
@@ -1211,6 +1215,10 @@ def resumed_without_plan(
     return f"PulseCycle: {change}; the resumed run is not the one the checkpoint saved."
 
 
+#: what a checkpoint saves of the pass under way, for a resume inside it
+_PASS_UNDER_WAY = ("pass_step", "pass_prior", "fixed_cuts", "fixed_cuts_of_ranks", "pass_scores")
+
+
 def _resumed_value(name: str, value: Any) -> Any:
     if name == "settings":
         return dict(value)
@@ -1218,6 +1226,8 @@ def _resumed_value(name: str, value: Any) -> Any:
         return list(value)
     if name == "fixed_cuts_of_ranks":
         return [list(cuts) for cuts in value]
+    if name == "pass_scores":
+        return dict(value)
     return float(value) if name == "pass_prior" else int(value)
 
 
