@@ -20,6 +20,7 @@ from lightning_pulse.core.green_window import (
 from lightning_pulse.energy.account import (
     EnergyAccount,
     TensorCollective,
+    gpu_devices_of,
     no_forecast_line,
     report_folder,
     trainer_chains,
@@ -51,6 +52,23 @@ def started_account(clock: ManualClock) -> EnergyAccount:
 
 
 # ---------------------------------------------------------------------- EnergyLogger's pieces
+def test_listed_gpus_are_the_nodes_metered_on_local_rank_zero_and_each_ranks_own_gpu_on_every_rank(
+    monkeypatch,
+):
+    """Sweep 43: NVML indices and UUIDs name the node's devices, the same GPU in every process; a list in
+    `meters.gpu_devices` was metered on every rank and summed (2x on two ranks)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    listed = MeterConfig(gpu_devices=[0, 1, 0])
+    cpu = torch.device("cpu")
+    assert gpu_devices_of(cpu, "auto", listed, local_rank=0) == [0, 1]  # each once
+    assert gpu_devices_of(cpu, "auto", listed, local_rank=1) == []
+    # unlisted: each rank its own CUDA device (no CUDA here: its index, the last fallback of the mapping)
+    own = MeterConfig()
+    assert gpu_devices_of(torch.device("cuda", 0), "auto", own, local_rank=0) == [0]
+    assert gpu_devices_of(torch.device("cuda", 1), "auto", own, local_rank=1) == [1]
+    assert gpu_devices_of(torch.device("cuda", 1), "none", own, local_rank=1) == []
+
+
 def test_the_process_meters_its_own_gpus_and_only_local_rank_zero_the_host():
     settings = SimpleNamespace(
         meters=MeterConfig(gpu_devices=[3], cpu_watts=50.0),
@@ -65,7 +83,8 @@ def test_the_process_meters_its_own_gpus_and_only_local_rank_zero_the_host():
     # the GPUs named in the config are required, whatever the process's device; the CPU is the constant
     assert [(c.component, c.required) for c in chains] == [("gpu", True), ("cpu", False)]
     second = SimpleNamespace(strategy=on_cpu.strategy, local_rank=1)
-    assert [c.component for c in trainer_chains(second, settings, said.append, said.append)] == ["gpu"]
+    # the listed GPUs are the node's: local rank 0 meters them, as it does the host
+    assert trainer_chains(second, settings, said.append, said.append) == []
     unnamed = SimpleNamespace(**{**vars(settings), "meters": MeterConfig(cpu_watts=50.0)})
     assert [c.component for c in trainer_chains(on_cpu, unnamed, said.append, said.append)] == ["cpu"]
     assert said == []  # nothing is built before the chains start

@@ -386,6 +386,58 @@ class InjectFailures(Callback):
             wait_for(lambda: chain(energy, "ram").meter_name == "none")
 
 
+class LoseGpuAtStep(Callback):
+    """Each step, waits for a fresh meter reading (so every logged interval holds one); at ``step`` both NVML
+    meters fail with ``NVMLError_GPUIsLost``."""
+
+    def __init__(self, gpu: FakeGpu, monkeypatch, step: int) -> None:
+        self.gpu, self.monkeypatch, self.step = gpu, monkeypatch, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        energy = next(c for c in trainer.callbacks if isinstance(c, EnergyLogger))
+        self.gpu.energy_mj += 50_000
+        if trainer.global_step == self.step:
+            self.gpu.fail_counter = True
+
+            def lost(handle):
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+            self.monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", lost)
+            wait_for(lambda: chain(energy, "gpu").meter_name == "none")
+        ledger = energy.account.ledger
+        readings = ledger.readings
+        wait_for(lambda: ledger.readings > readings)
+
+
+def test_step_power_is_not_logged_for_an_interval_whose_gpu_was_lost(tmp_path, fake_nvml, monkeypatch):  # noqa: F811
+    """Sweep 43: after the GPU's meters were lost, `energy/power_w` went on as the CPU's 10 W alone, a plain
+    number (the GPU read as idle, not lost), where the report gives a partial figure no average power."""
+    energy = EnergyLogger(
+        cpu="constant",
+        ram="none",
+        meters=MeterConfig(sampling_period=0.02, gpu_devices=[0], cpu_watts=10.0),
+        accounting=AccountingConfig(log_every_n_steps=1),
+    )
+    logger = RecordingLogger()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit = trainer(
+            [LoseGpuAtStep(fake_nvml, monkeypatch, step=4), energy],
+            max_epochs=1,
+            logger=logger,
+            default_root_dir=tmp_path,
+        )
+        fit.fit(MNIST1DClassifier(arch="mlp"), data())
+    assert energy.report["total"]["methods"]["gpu"] == PARTIAL
+    power = dict(logger.logged("energy/power_w"))
+    so_far = dict(logger.logged("energy/kwh_so_far"))
+    # logged at `global_step - 1`; the loss comes at global step 4 (logged as 3): a power for each interval
+    # before it (the first log has no interval), none from the interval holding it on
+    assert sorted(power) == [1, 2]
+    assert all(watts > 10.0 for watts in power.values())  # the GPU's share is in each
+    assert sorted(so_far) == list(range(12))  # the energy counted so far is still logged, as is
+
+
 def chain(energy: EnergyLogger, component: str):
     return next(c for c in energy.account.chains if c.component == component)
 
@@ -749,19 +801,17 @@ def test_constructor_takes_at_most_ten_arguments():
 
 
 # ---------------------------------------------------------------------- DDP
-class PerRankFakeGpu(Callback):
-    """In each DDP worker, a GPU whose energy counter grows at a rank-specific power (rank 0: 100 W, 1: 50 W)."""
+class NodeFakeGpu(Callback):
+    """In each DDP worker, NVML device 0 as NVML names it: one physical GPU of the node, the same device in
+    every process (NVML indices and UUIDs ignore ``CUDA_VISIBLE_DEVICES``). Its counter grows at 100 W on the
+    node's monotonic clock, which every process shares, as a real GPU's counter does."""
 
     def setup(self, trainer, pl_module, stage):
-        watts = 100.0 if trainer.global_rank == 0 else 50.0
-        start = time.monotonic()
         pynvml.nvmlInit = lambda: None
         pynvml.nvmlShutdown = lambda: None
         pynvml.nvmlDeviceGetHandleByIndex = lambda index: index
         pynvml.nvmlDeviceGetName = lambda handle: b"Injected GPU"
-        pynvml.nvmlDeviceGetTotalEnergyConsumption = lambda handle: int(
-            watts * (time.monotonic() - start) * 1000
-        )
+        pynvml.nvmlDeviceGetTotalEnergyConsumption = lambda handle: int(100.0 * time.monotonic() * 1000)
 
 
 class WriteRankResult(Callback):
@@ -782,7 +832,11 @@ class WriteRankResult(Callback):
 
 @pytest.mark.ddp
 @pytest.mark.slow
-def test_ddp_sums_gpu_over_ranks_and_counts_cpu_once(tmp_path):
+def test_ddp_meters_the_listed_gpus_and_the_cpu_once_per_node(tmp_path):
+    """Sweep 43: `meters.gpu_devices` was metered on every rank and summed, 2x the GPU on two ranks (191.9 W
+    for one GPU drawing 100 W). The listed devices are the node's: metered on local rank 0, like the CPU.
+    (Each rank's own CUDA device, the default, is still metered on every rank and summed:
+    `tests/test_energy_ledger.py::test_account_sums_gpu_over_ranks_and_counts_cpu_once`.)"""
     energy = EnergyLogger(
         cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, gpu_devices=[0], cpu_watts=10.0)
     )
@@ -793,7 +847,7 @@ def test_ddp_sums_gpu_over_ranks_and_counts_cpu_once(tmp_path):
         max_epochs=2,
         limit_train_batches=6,
         limit_val_batches=1,
-        callbacks=[PerRankFakeGpu(), energy, WriteRankResult(str(tmp_path))],
+        callbacks=[NodeFakeGpu(), energy, WriteRankResult(str(tmp_path))],
         default_root_dir=tmp_path,
         enable_checkpointing=True,
         enable_progress_bar=False,
@@ -805,17 +859,18 @@ def test_ddp_sums_gpu_over_ranks_and_counts_cpu_once(tmp_path):
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
     assert rank1["report_paths"] == [] and len(rank0["report_paths"]) == 2  # JSON and Markdown
-    assert rank0["local_components"] == ["cpu", "gpu"] and rank1["local_components"] == ["gpu"]
+    assert rank0["local_components"] == ["cpu", "gpu"] and rank1["local_components"] == []
     report = json.loads((tmp_path / JSON_NAME).read_text())
     assert report["world_size"] == 2 and report == rank0["report"]
     assert rank1["report"]["total"] == report["total"]  # every rank computed the same figures
     total = report["total"]
     seconds = total["duration_s"]
     by_component = total["energy_kwh_by_component"]
-    assert by_component["gpu"] * 3.6e6 / seconds == pytest.approx(150.0, rel=0.15)  # 100 W + 50 W
+    assert by_component["gpu"] * 3.6e6 / seconds == pytest.approx(100.0, rel=0.15)  # once, not twice
     assert by_component["cpu"] * 3.6e6 / seconds == pytest.approx(10.0, rel=0.15)  # once, not twice
     assert total["samples"] == 2 * 2 * 6 * BATCH  # two ranks, two epochs, six batches each
     assert total["methods"] == {"gpu": MEASURED, "cpu": ESTIMATED, "ram": NONE}
+    assert report["meters"]["gpu"]["counted_on"] == "local rank 0 of each node"
 
 
 # ---------------------------------------------------------------------- start-up off the training loop

@@ -104,6 +104,29 @@ def test_rapl_sums_packages_only_and_handles_wraparound(tmp_path):
     assert counter_delta(999_000, 1_000, max_range) == 2_000
 
 
+def test_rapl_counter_reset_counts_on_from_the_new_value_and_a_real_wrap_stays_measured(tmp_path):
+    # a package counter that restarts from ~0 (suspend/resume, CPU hotplug, VM migration) was read as a full
+    # wrap: 100 kJ here (222 kJ in the sweep) labelled measured, with no warning
+    max_range = 262143328850  # Intel's max_energy_range_uj
+    root = make_rapl_tree(tmp_path, {0: max_range - 100_000_000, 1: 100_000_000_000}, max_range=max_range)
+    warnings_seen: list[str] = []
+    chain = MeterChain("cpu", [("rapl", lambda: RaplMeter(root))], warn=warnings_seen.append)
+    chain.start(0.0)
+    set_energy(root, 0, max_range - 40_000_000)  # +60 J each
+    set_energy(root, 1, 100_060_000_000)
+    assert chain.read(1.0) == (pytest.approx(120.0), MEASURED)
+    set_energy(root, 0, 20_000_000)  # a real wrap: +60 J in 1 s
+    set_energy(root, 1, 3_000_000)  # a reset: 3 J since it
+    assert chain.read(2.0) == (pytest.approx(183.0), ESTIMATED)
+    set_energy(root, 0, 80_000_000)
+    set_energy(root, 1, 63_000_000)
+    assert chain.read(3.0) == (pytest.approx(303.0), MEASURED)
+    set_energy(root, 1, 1_000_000)  # a second reset: one more event, no second warning
+    assert chain.read(3.5) == (pytest.approx(304.0), ESTIMATED)
+    assert len(warnings_seen) == 1 and "package-1" in warnings_seen[0] and "a reset" in warnings_seen[0]
+    assert [(event.kind, event.failed) for event in chain.events] == [("corrected", "rapl")] * 2
+
+
 def test_rapl_permission_denied_is_a_meter_error(public_tmp):
     root = make_rapl_tree(public_tmp / "powercap", {0: 5_000_000})
     for path in root.rglob("*"):
@@ -511,6 +534,17 @@ def test_nvml_counter_reset_counts_on_from_the_new_value_with_one_warning_and_an
         len(warnings_seen) == 1 and "went back" in warnings_seen[0] and "keeps measuring" in warnings_seen[0]
     )
     assert [event.kind for event in chain.events] == ["corrected", "corrected"]
+    chain.close()
+
+
+def test_a_gpu_named_by_its_index_and_its_uuid_is_metered_once(fake_nvml, monkeypatch):
+    # `meters.gpu_devices=[0, "GPU-0aa"]` naming one GPU twice counted it twice
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda handle: b"GPU-0aa", raising=False)
+    chain = MeterChain("gpu", [("nvml-counter", lambda: NvmlCounterMeter([0, "GPU-0aa"]))], warn=print)
+    chain.start(0.0)
+    fake_nvml.energy_mj += 30_000
+    assert chain.read(1.0) == (pytest.approx(30.0), MEASURED)
+    assert chain.describe()["devices"] == ["0"]
     chain.close()
 
 

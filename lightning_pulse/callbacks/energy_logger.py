@@ -76,7 +76,7 @@ class EnergyLogger(compat.PulseStateKey, Callback):
             ``timestamp,value``, UTC). ``None`` and no country: CO2 is not reported.
         price_per_kwh: electricity price per kWh as a number or a CSV series path; ``None``: no cost.
         currency: the price's currency, for labels.
-        gpu: ``"auto"`` (NVML on this rank's CUDA device, or on ``meters.gpu_devices``) or ``"none"``.
+        gpu: ``"auto"`` (NVML on this rank's CUDA device, or the node's ``meters.gpu_devices``) or ``"none"``.
         cpu: ``"auto"`` (RAPL, then codecarbon, then ``meters.cpu_watts``, or without it codecarbon's power
             for a generic CPU, 42.5 W, estimated), ``"codecarbon"`` (then the same last fallback),
             ``"constant"`` (``meters.cpu_watts`` only) or ``"none"``.

@@ -74,8 +74,9 @@ COUNTING_NOTES = {
     "data-loader stall": "time from on_train_batch_end to the next on_train_batch_start (fetching the next "
     "batch, plus any hook work in between) over the time between consecutive batch starts; gaps that contain "
     "a validation run or a phase change are left out. Averaged over ranks.",
-    "ddp": "GPU energy is metered on every rank and summed; CPU and RAM energy once per node (local rank 0; "
-    "in codecarbon's process mode its process and child processes, which hold the node's other ranks).",
+    "ddp": "GPU energy is metered on every rank (its own device) and summed, or, for `meters.gpu_devices`, "
+    "once per node (local rank 0); CPU and RAM energy once per node (local rank 0; in codecarbon's process "
+    "mode its process and child processes, which hold the node's other ranks).",
 }
 #: parent processes each rank names for the process-mode check (a rank Lightning's `strategy="ddp"` starts is
 #: a direct child of local rank 0; a deeper chain than this reads as unrelated: refused, never miscounted)
@@ -234,13 +235,17 @@ def refuse_uncounted_processes(
         )
 
 
-def gpu_devices_of(device: torch.device, gpu: str, config: MeterConfig) -> list[int | str]:
-    """The NVML devices a process meters: none for ``gpu="none"``, ``config.gpu_devices`` when set, else
-    the NVML index of the process's CUDA ``device`` (none off CUDA)."""
+def gpu_devices_of(
+    device: torch.device, gpu: str, config: MeterConfig, local_rank: int = 0
+) -> list[int | str]:
+    """The NVML devices a process meters: none for ``gpu="none"``; ``config.gpu_devices`` (each once) on
+    ``local_rank`` 0 and none on the node's other ranks; else the NVML index of the process's CUDA ``device``
+    (none off CUDA). NVML indices and UUIDs name the node's physical devices, the same in every process of
+    the node: metered on every rank, each listed GPU would be counted once per rank."""
     if gpu == "none":
         return []
     if config.gpu_devices is not None:
-        return list(config.gpu_devices)
+        return list(dict.fromkeys(config.gpu_devices)) if local_rank == 0 else []
     if device.type != "cuda":
         return []
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -252,11 +257,12 @@ def trainer_chains(
 ) -> list[MeterChain]:
     """The meter chains of a Trainer's process (:func:`build_chains`) for an EnergyLogger's ``settings`` (its
     ``meters``, ``gpu``, ``cpu``, ``ram`` and ``country_iso_code``): the GPU of the process's
-    ``trainer.strategy.root_device`` (:func:`gpu_devices_of`), and the CPU and RAM on local rank 0 only
-    (:func:`refuse_uncounted_processes` refuses, before, a process mode that would miss a rank)."""
+    ``trainer.strategy.root_device`` (:func:`gpu_devices_of`; ``meters.gpu_devices`` on local rank 0 only),
+    and the CPU and RAM on local rank 0 only (:func:`refuse_uncounted_processes` refuses, before, a process
+    mode that would miss a rank)."""
     return build_chains(
         settings.meters,
-        gpu_devices_of(trainer.strategy.root_device, settings.gpu, settings.meters),
+        gpu_devices_of(trainer.strategy.root_device, settings.gpu, settings.meters, trainer.local_rank),
         settings.cpu,
         settings.ram,
         settings.country_iso_code,
@@ -922,18 +928,20 @@ class EnergyAccount:
     def step_metrics(self) -> dict[str, float] | None:
         """``energy/kwh_so_far`` and, from the second call on, ``energy/power_w`` since the previous call: the
         run's figures at the latest reading, without the meter start-up's energy and seconds (the report's
-        total leaves them out too, so the last ``kwh_so_far`` is never above it)."""
+        total leaves them out too, so the last ``kwh_so_far`` is never above it). No ``power_w`` for an
+        interval with a reading that counted part of the energy only (a component's meters lost): a partial
+        figure has no average power, as in the report."""
         ledger = self.ledger
         if ledger is None or not ledger.counted:
             # no meter has counted anything yet (codecarbon still starting: its zero point only): no figure,
             # rather than a 0 that reads as measured
             return None
-        joules, seconds = ledger.run_reading
+        joules, seconds, partial = ledger.run_reading_gaps
         metrics = {"energy/kwh_so_far": joules / J_PER_KWH + self.carried_kwh()}
         previous = self._last_step_log
-        if previous is not None and seconds > previous[1]:
+        if previous is not None and seconds > previous[1] and partial == previous[2]:
             metrics["energy/power_w"] = (joules - previous[0]) / (seconds - previous[1])
-        self._last_step_log = (joules, seconds)
+        self._last_step_log = (joules, seconds, partial)
         return metrics
 
     def log_steps_every(self, own: int | None, trainers: int) -> None:
@@ -1180,7 +1188,9 @@ class EnergyAccount:
             described[component] = (
                 chain.describe() if chain is not None else {"meter": "none", "method": "none"}
             )
-            counted_on = "every rank, summed" if component == "gpu" else "local rank 0 of each node"
+            # a GPU chain is required where `meters.gpu_devices` names the node's devices: metered once a node
+            per_rank = component == "gpu" and (chain is None or not chain.required)
+            counted_on = "every rank, summed" if per_rank else "local rank 0 of each node"
             process_mode = described[component].get("tracking_mode") == "process"
             if process_mode and world_size > 1:  # refused where it misses a rank
                 counted_on += ", its process and child processes (any other rank of the node among them)"
@@ -1356,7 +1366,7 @@ class EnergyAccount:
         self._pending: dict[tuple[str, ...], torch.Tensor] = {}
         self._pending_samples_now: torch.Tensor | None = None  # device sample counts (graphs), as tokens
         self._pending_samples: dict[tuple[str, ...], torch.Tensor] = {}
-        self._last_step_log: tuple[float, float] | None = None
+        self._last_step_log: tuple[float, float, int] | None = None  # (run J, run s, partial readings)
         self._last_so_far_kwh = 0.0
         self._ended_kwh: float | None = None  # the run's figure when its training loop ended
         self._open_epoch: int | None = None  # the epoch whose label is in force, until it closes

@@ -43,7 +43,8 @@ class MeterConfig(_EnergyLoggerConfig):
 
     Args:
         sampling_period: seconds between meter readings on the background thread.
-        gpu_devices: NVML indices or GPU UUIDs to meter instead of the rank's own CUDA device.
+        gpu_devices: NVML indices or GPU UUIDs to meter instead of the rank's own CUDA device: the node's
+            devices (NVML names a GPU alike in every process), metered on local rank 0 of each node only.
         cpu_watts: a constant CPU power in watts: what ``cpu="constant"`` counts, and the last CPU fallback
             of ``cpu="auto"`` / ``"codecarbon"`` (without it, codecarbon's power for a generic CPU is).
         rapl_root: the powercap sysfs directory.

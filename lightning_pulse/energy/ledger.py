@@ -200,9 +200,11 @@ class EnergyLedger:
         self.metered = False  # whether any reading so far came from a meter (measured or estimated)
         self.readings = 0  # readings recorded after the zero point of `begin`
         self._run_seconds = 0.0
-        # (run J, time, average power W, run s) of the latest reading, replaced whole under `lock`: one
-        # attribute read gives a consistent tuple, so the per-step read-outs take no lock
-        self._latest: tuple[float, float | None, float, float] = (0.0, None, 0.0, 0.0)
+        # (run J, time, average power W, run s, readings so far that counted only part of the energy) of the
+        # latest reading, replaced whole under `lock`: one attribute read gives a consistent tuple, so the
+        # per-step read-outs take no lock
+        self._latest: tuple[float, float | None, float, float, int] = (0.0, None, 0.0, 0.0, 0)
+        self._partial_readings = 0
         self._keys: tuple[str, ...] = ()
         self._keys_of: Label | None = None
         # caches of the buckets' lookups, emptied whenever a numbered bucket is dropped (:meth:`_bucket`)
@@ -234,7 +236,8 @@ class EnergyLedger:
                 self.totals_j[component] = float(joules)
                 self.methods[component] = method
                 self.metered = self.metered or method in _COUNTING
-            self._latest = (0.0, now, self.last_power_w, 0.0)  # a zero point: the run has counted nothing
+            # a zero point: the run has counted nothing
+            self._latest = (0.0, now, self.last_power_w, 0.0, self._partial_readings)
             self._append_timeline(self.timeline_time(now, wall))
 
     @property
@@ -401,7 +404,9 @@ class EnergyLedger:
             assert wall0 is not None
             span = now - t0
             deltas: dict[str, float] = {}
+            flags = 0
             for component, (joules, method) in totals.items():
+                flags |= METHOD_FLAGS[method]
                 deltas[component] = max(float(joules) - self.totals_j[component], 0.0)
                 self.totals_j[component] = max(float(joules), self.totals_j[component])
                 self.methods[component] = method
@@ -432,7 +437,9 @@ class EnergyLedger:
             self.readings += 1
             total = self.buckets.get("total")
             run_joules = total.joules if total is not None else 0.0
-            self._latest = (run_joules, now, self.last_power_w, self._run_seconds)
+            if method_from_flags(flags) not in _COUNTING:  # a lost component: the interval is partial
+                self._partial_readings += 1
+            self._latest = (run_joules, now, self.last_power_w, self._run_seconds, self._partial_readings)
             self._append_timeline(self.timeline_time(now, wall))
 
     def _pieces(self, t0: float, t1: float) -> list[tuple[float, float, Label]]:
@@ -529,8 +536,16 @@ class EnergyLedger:
         """``(joules, seconds)`` of the run at the latest reading: the ``total`` bucket's energy (what the
         report's total says), so without the meter start-up's (:data:`STARTUP_KEY`) or a meter's zero point,
         and the time the readings cover without the start-up's."""
-        joules, _, _, seconds = self._latest
+        joules, _, _, seconds, _ = self._latest
         return joules, seconds
+
+    @property
+    def run_reading_gaps(self) -> tuple[float, float, int]:
+        """:attr:`run_reading` and how many readings so far counted only part of the energy (a component's
+        meters lost: partial, or nothing counted: none). The count unchanged between two read-outs: every
+        reading between them counted all of it, so their difference is a measured or estimated figure."""
+        joules, _, _, seconds, partial = self._latest
+        return joules, seconds, partial
 
     @property
     def counted(self) -> bool:
@@ -542,7 +557,7 @@ class EnergyLedger:
         """The run's energy at the last reading (:attr:`run_reading`) plus the latest average power times the
         time since (at most ``horizon`` seconds): a smooth figure between readings, at no metering cost and
         without the lock (it is read at every optimizer step)."""
-        total, last_time, power, _ = self._latest
+        total, last_time, power, _, _ = self._latest
         if last_time is None:
             return total
         return total + power * min(max(now - last_time, 0.0), horizon)

@@ -17,6 +17,7 @@ failure of the meter.
 
 Devices are given as NVML indices (``int``) or UUIDs (``str``, e.g. ``"GPU-8d2c..."``). CUDA indices differ
 from NVML indices when ``CUDA_VISIBLE_DEVICES`` is set, so :func:`nvml_devices_for_cuda` maps through UUIDs.
+A device named twice (its index and its UUID) is metered once, where NVML gives its UUID.
 """
 
 from __future__ import annotations
@@ -95,11 +96,19 @@ class _NvmlMeter(EnergyMeter):
         try:
             self.handles = []
             self.device_names = []
+            kept: list[DeviceSelector] = []
+            uuids: set[str] = set()
             for device in self.devices:
                 if isinstance(device, str):
                     handle = self.nvml.nvmlDeviceGetHandleByUUID(device)
                 else:
                     handle = self.nvml.nvmlDeviceGetHandleByIndex(int(device))
+                uuid = self._uuid(handle)
+                if uuid is not None:
+                    if uuid in uuids:
+                        continue  # one GPU named twice (its index and its UUID): counted once
+                    uuids.add(uuid)
+                kept.append(device)
                 self.handles.append(handle)
                 try:
                     name = self.nvml.nvmlDeviceGetName(handle)
@@ -109,6 +118,14 @@ class _NvmlMeter(EnergyMeter):
         except self.nvml.NVMLError as error:
             self.close()
             raise MeterError(f"NVML has no device {device!r} ({error})") from error
+        self.devices = kept
+
+    def _uuid(self, handle: Any) -> str | None:
+        try:
+            uuid = self.nvml.nvmlDeviceGetUUID(handle)
+        except Exception:  # not given (older drivers, some boards): the device is kept as named
+            return None
+        return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
 
     def close(self) -> None:
         if self._initialised:

@@ -10,6 +10,13 @@ Layout read (the kernel's ``intel-rapl`` powercap driver, also used for AMD pack
 Only the top-level ``package-*`` zones are summed: sub-zones are parts of their package, and ``psys``
 (platform) overlaps the packages. Since Linux 5.10 ``energy_uj`` is readable by root only (CVE-2020-8694);
 an unreadable counter raises :class:`~lightning_pulse.energy.meter.MeterError` so the chain falls back.
+
+A counter can also restart from about 0 without wrapping: after a suspend/resume, a CPU hotplug, a VM migrated
+to another host. Read as a wrap, that adds up to ``max_energy_range_uj`` (262 kJ on Intel servers) in one
+interval. A lower reading whose wrap would mean more than :data:`MAX_PLAUSIBLE_PACKAGE_WATTS` for its package
+over the seconds since the last reading is taken as such a reset: its value is the energy since the reset (as
+NVML's counter reset, :class:`~lightning_pulse.energy.nvml.NvmlCounterMeter`), with a notice (one warning, an
+event, and the interval labelled *estimated*).
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ from lightning_pulse.energy.meter import MEASURED, EnergyMeter, MeterError, Mete
 
 DEFAULT_POWERCAP_ROOT = "/sys/class/powercap"
 _TOP_LEVEL_ZONE = re.compile(r"^intel-rapl:\d+$")
+#: the most one package can draw: twice the largest server CPU package's TDP so far (500 W). A real wrap
+#: counts the package's real energy over the interval, below this; a reset read as a wrap counts most of
+#: the whole range
+MAX_PLAUSIBLE_PACKAGE_WATTS = 1000.0
 
 
 @dataclass
@@ -42,12 +53,21 @@ class RaplZone:
 def counter_delta(previous_uj: int, current_uj: int, max_range_uj: int) -> int:
     """Microjoules between two readings of a counter that wraps to 0 after ``max_range_uj``.
 
-    A reading below the previous one means the counter wrapped once; reading at least once per wrap period
+    A reading below the previous one means the counter wrapped once (unless it was reset, see
+    :func:`is_counter_reset`); reading at least once per wrap period
     (about an hour at 60 W for a 2^32 uJ range, minutes for a busy server) keeps this exact.
     """
     if current_uj >= previous_uj:
         return current_uj - previous_uj
     return current_uj + max_range_uj - previous_uj
+
+
+def is_counter_reset(previous_uj: int, current_uj: int, max_range_uj: int, seconds: float) -> bool:
+    """Whether a reading below the previous one is a reset (the counter restarted from 0), not a wrap: read
+    as a wrap it would mean more than :data:`MAX_PLAUSIBLE_PACKAGE_WATTS` over the ``seconds`` since."""
+    if current_uj >= previous_uj:
+        return False
+    return counter_delta(previous_uj, current_uj, max_range_uj) > MAX_PLAUSIBLE_PACKAGE_WATTS * 1e6 * seconds
 
 
 def find_package_zones(root: str | Path = DEFAULT_POWERCAP_ROOT) -> list[Path]:
@@ -84,7 +104,7 @@ def _read_int(path: Path) -> int:
 
 
 class RaplMeter(EnergyMeter):
-    """CPU package energy from RAPL, *measured*, with counter wrap-around handled.
+    """CPU package energy from RAPL, *measured*, with counter wrap-around and counter resets handled.
 
     Args:
         root: the powercap directory (a temporary tree in tests).
@@ -97,6 +117,7 @@ class RaplMeter(EnergyMeter):
     def __init__(self, root: str | Path = DEFAULT_POWERCAP_ROOT) -> None:
         self.root = Path(root)
         self.zones: list[RaplZone] = []
+        self._last_time = 0.0
 
     def start(self, now: float) -> None:
         self.zones = []
@@ -106,14 +127,28 @@ class RaplMeter(EnergyMeter):
             if max_range <= 0:
                 raise MeterError(f"{path / 'max_energy_range_uj'} is {max_range}, expected a positive range")
             self.zones.append(RaplZone(path, name, max_range, _read_int(path / "energy_uj")))
+        self._last_time = now
 
     def read_joules(self, now: float) -> float:
+        seconds = max(now - self._last_time, 0.0)
         for zone in self.zones:
             current = _read_int(zone.energy_file())
             if current > zone.max_range_uj:
                 raise MeterError(f"{zone.energy_file()} reads {current}, above its range {zone.max_range_uj}")
-            zone.total_uj += counter_delta(zone.last_uj, current, zone.max_range_uj)
+            if is_counter_reset(zone.last_uj, current, zone.max_range_uj, seconds):
+                # what ran between the last reading and the reset is unknown; the new value is since the reset
+                zone.total_uj += current
+                wrap_w = counter_delta(zone.last_uj, current, zone.max_range_uj) / 1e6 / max(seconds, 1e-9)
+                self.notice(
+                    f"the counter of {zone.name} went back from {zone.last_uj} uJ to {current} uJ in "
+                    f"{seconds:.3g} s, a wrap would mean {wrap_w:.3g} W (above {MAX_PLAUSIBLE_PACKAGE_WATTS:g} W "
+                    "a package): a reset (suspend/resume, CPU hotplug, VM migration); counting on from the "
+                    "new value"
+                )
+            else:
+                zone.total_uj += counter_delta(zone.last_uj, current, zone.max_range_uj)
             zone.last_uj = current
+        self._last_time = now
         return sum(zone.total_uj for zone in self.zones) / 1e6
 
     def describe(self) -> dict[str, Any]:
