@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
+from lightning_pulse.core.comm_hook_memory import forget_compression_memory
 from lightning_pulse.core.freeze_units import trainable_while
 from lightning_pulse.core.run_shares import PlacedShares, shares_named
 from lightning_pulse.core.step_plan import clock_epoch_steps, epoch_steps
@@ -486,6 +487,13 @@ def private_api_problems() -> list[str]:
         problems.append("StochasticWeightAveraging._model_contains_batch_norm")
     if "_average_model" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
         problems.append("StochasticWeightAveraging._average_model")
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "_ddp_comm_state" not in vars(DDPStrategy()):  # the communication hooks' state (comm_hook_states)
+        problems.append("DDPStrategy._ddp_comm_state")
+    if "_comm_hooks" not in DistributedDataParallel.__init__.__code__.co_names:
+        problems.append("DistributedDataParallel._comm_hooks")
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata
 
@@ -787,6 +795,11 @@ def rewrap_ddp(trainer: pl.Trainer) -> bool:
     released. Parameters frozen otherwise (the user's) stay out, as at Lightning's own wrap. Call it after the
     :class:`~lightning_pulse.protocols.ParametersReplacedListener` callbacks followed the change: the freezers
     name the parameters they hold now. Returns whether the module was re-wrapped.
+
+    The communication hook goes on the new wrapper too: Lightning's ``ddp_comm_hook`` as Lightning registers
+    it, or else the one the user registered on the old wrapper (``strategy.model.register_comm_hook``; it was
+    dropped silently). Its state's per-bucket memories, sized for the old buckets, are dropped first
+    (PowerSGD's error feedback crashed the backward after the first cut: :func:`forget_comm_hook_memory`).
     """
     from lightning.pytorch.strategies import DDPStrategy
     from torch.nn.parallel import DistributedDataParallel
@@ -794,11 +807,38 @@ def rewrap_ddp(trainer: pl.Trainer) -> bool:
     strategy = trainer.strategy
     if not isinstance(strategy, DDPStrategy) or not isinstance(strategy.model, DistributedDataParallel):
         return False
-    module = strategy.lightning_module
+    module, hooks = strategy.lightning_module, list(getattr(strategy.model, "_comm_hooks", None) or ())
+    forget_comm_hook_memory(trainer, new_buckets=True)  # sized and keyed for the old wrapper's buckets
     with trainable_while(module, temporarily_frozen(trainer, module)):
         strategy.model = strategy._setup_model(module)
-    strategy._register_ddp_hooks()
+    strategy._register_ddp_hooks()  # Lightning's ``ddp_comm_hook`` (on CUDA only)
+    if not getattr(strategy.model, "_comm_hooks", None):  # one registered on the wrapper itself: again
+        for hook, state in hooks:
+            strategy.model.register_comm_hook(state, hook)
     return True
+
+
+def comm_hook_states(trainer: pl.Trainer) -> list[Any]:
+    """The states of the fit's DDP communication hooks: ``DDPStrategy(ddp_comm_state=...)``, which Lightning
+    registers on CUDA only, and those of hooks registered on the ``DistributedDataParallel`` wrapper itself
+    (``trainer.strategy.model.register_comm_hook``), which torch keeps in ``_comm_hooks``. Empty elsewhere."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    strategy, states = trainer.strategy, []
+    if isinstance(strategy.model, DistributedDataParallel):
+        states = [state for _, state in getattr(strategy.model, "_comm_hooks", None) or ()]
+    if (own := getattr(strategy, "_ddp_comm_state", None)) is not None:
+        states.append(own)
+    return list({id(state): state for state in states if state is not None}.values())
+
+
+def forget_comm_hook_memory(trainer: pl.Trainer, new_buckets: bool = False) -> None:
+    """Drop what the fit's communication hooks remember of earlier steps (PowerSGD's error feedback and
+    warm-start factors, :func:`~lightning_pulse.core.comm_hook_memory.forget_compression_memory`): after a
+    step that was skipped or rolled back, and when the wrapper is rebuilt (``new_buckets``). Call it on every
+    rank at the same step: PowerSGD draws its new factors from a generator the ranks keep in step."""
+    for state in comm_hook_states(trainer):
+        forget_compression_memory(state, new_buckets)
 
 
 # ---------------------------------------------------------------------------- HardSampleReplay (issue 4)

@@ -86,6 +86,35 @@ class SleepDump(Callback):
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
 
 
+class PowerSGDOnTheWrapper(Callback):
+    """Registers torch's PowerSGD hook (error feedback and warm start, rank 1, compressing from its third
+    step) on the DDP wrapper itself at fit start, as a user does on CPU (Lightning registers
+    ``DDPStrategy(ddp_comm_hook=...)`` on CUDA only). At fit end each rank writes ``powersgd_rank<r>.json`` into
+    ``directory``: the hook's step counter at each batch end (``trained``), and the elements of its error
+    feedback and whether all are finite (``memory``)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.trained, self.state = directory, [], None
+
+    def on_fit_start(self, trainer, pl_module):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        self.state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        trainer.strategy.model.register_comm_hook(self.state, powerSGD_hook.powerSGD_hook)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.trained.append(self.state.iter)
+
+    def on_train_end(self, trainer, pl_module):
+        errors = list(self.state.error_dict.values())
+        memory = [sum(e.numel() for e in errors), all(bool(e.isfinite().all()) for e in errors)]
+        record = {"trained": self.trained, "memory": memory}
+        Path(self.directory, f"powersgd_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+    def __getstate__(self):  # the state holds a process group: not sent back from a spawned rank
+        return {**self.__dict__, "state": None}
+
+
 def unreadable_signal() -> tuple[float, float]:
     """A live GreenWindow signal whose every reading fails, as a grid API that is down does."""
     raise ConnectionError("the grid API is down")

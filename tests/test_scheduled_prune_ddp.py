@@ -230,3 +230,103 @@ def test_a_cut_while_gradient_cache_holds_units_frozen_keeps_both_ranks_bit_iden
     assert rank0["params"].keys() == rank1["params"].keys()
     for name, values in rank0["params"].items():
         assert values == rank1["params"][name], name  # bit for bit: the same averaged update on both ranks
+
+
+_POWERSGD_SCRIPT = """
+import json, sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pulse import ScheduledPrune
+
+torch.set_num_threads(1)
+out, WHERE = Path(sys.argv[1]), "<where>"
+
+
+class CudaLikeDDP(DDPStrategy):
+    def _register_ddp_hooks(self):  # what DDPStrategy does on CUDA only, done on CPU too
+        _register_ddp_comm_hook(self.model, self._ddp_comm_state, self._ddp_comm_hook, self._ddp_comm_wrapper)
+
+
+class MLP(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Dump(Callback):
+    def __init__(self, state):
+        self.state, self.trained = state, []
+
+    def on_fit_start(self, trainer, pl_module):
+        if WHERE == "wrapper":  # the user's own registration: Lightning registers none on CPU
+            trainer.strategy.model.register_comm_hook(self.state, powerSGD_hook.powerSGD_hook)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.trained.append((self.state.iter, id(trainer.strategy.model)))
+
+    def on_train_end(self, trainer, pl_module):
+        Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps({
+            "params": {name: p.detach().flatten().tolist() for name, p in pl_module.named_parameters()},
+            "module_params": sum(p.numel() for p in pl_module.parameters()),
+            "memory": sum(e.numel() for e in self.state.error_dict.values()),
+            "trained": [step for step, _ in self.trained],  # the hook's step counter, each batch end
+            "rewrapped": [i for i in range(1, len(self.trained)) if self.trained[i][1] != self.trained[i - 1][1]],
+            "events": [event["step"] for event in trainer.callbacks[0].events],
+        }))
+
+
+pl.seed_everything(0)
+state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+hook = {"strategy": {"ddp_comm_state": state, "ddp_comm_hook": powerSGD_hook.powerSGD_hook}, "wrapper": {}}[WHERE]
+g = torch.Generator().manual_seed(0)
+x = torch.randn(256, 16, generator=g)
+y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+prune = ScheduledPrune(final_sparsity=0.5, mode="structured", start=0.1, end=0.6, every=3, probe_batches=0)
+trainer = pl.Trainer(
+    accelerator="cpu", devices=2, strategy=CudaLikeDDP(**hook), max_steps=24, callbacks=[prune, Dump(state)],
+    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(MLP(), DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+"""
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["strategy", "wrapper"])
+def test_a_powersgd_hook_goes_on_the_rewrapped_module_with_fresh_memories(tmp_path, where):
+    # strategy sweep: the re-wrap registered Lightning's PowerSGD state again with error feedback sized for the
+    # uncut buckets (the backward after the first cut crashed on a size mismatch), and dropped a hook the user
+    # had registered on the wrapper itself without a word. Now the hook is on the new wrapper, its memories
+    # dropped and its step counter restarted, as torch starts it on a new wrapper.
+    rank0, rank1 = _run_two_ranks(_POWERSGD_SCRIPT.replace("<where>", where), tmp_path)
+    assert rank0["events"] == rank1["events"] and rank0["trained"] == rank1["trained"]
+    rewrapped = rank0["rewrapped"]
+    assert len(rewrapped) >= 2 and rewrapped == rank1["rewrapped"]
+    # the hook counted every step (it ran on every wrapper), from 0 again at each re-wrap (its batch end)
+    expected = [1]
+    for batch in range(1, 24):
+        expected.append(0 if batch in rewrapped else expected[-1] + 1)
+    assert rank0["trained"] == expected
+    assert rank0["memory"] == rank0["module_params"]  # error feedback sized for the cut module's one bucket
+    for name, values in rank0["params"].items():
+        assert torch.allclose(torch.tensor(values), torch.tensor(rank1["params"][name]), atol=1e-6), name

@@ -7,6 +7,7 @@ numbers makes both ranks skip and roll back together (otherwise their parameters
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -20,7 +21,7 @@ from benchmarks.stability_guard import FaultInjector
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse.callbacks.stability_guard import StabilityGuard
 from tests.conftest import trainer_kwargs
-from tests.ddp_workers import TwoGlooProcesses
+from tests.ddp_workers import PowerSGDOnTheWrapper, TwoGlooProcesses
 
 
 class GuardDump(Callback):
@@ -230,3 +231,23 @@ def test_ranks_raise_the_guards_error_together_when_the_stop_checkpoint_cannot_b
     assert said[0] == said[1], said
     assert said[0].startswith("StabilityGuardError: StabilityGuard stopped training at step 25")
     assert "But that checkpoint could not be written (FileExistsError: " in said[0]
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("kind", ["nan", "scale"])
+def test_a_skipped_step_leaves_nothing_in_powersgds_error_feedback(tmp_path, kind):
+    # strategy sweep: PowerSGD's error feedback kept a skipped step's compression error (NaN after a NaN batch,
+    # huge after a 1e4 spike) and added it to every later gradient: steps flagged at normal losses, 3
+    # rollbacks, then a stop blaming the data. The guard now clears the hook's memories at a skip or rollback.
+    pl.seed_everything(0)
+    guard = StabilityGuard(
+        warmup=5, rollback_after=2, snapshot_every=4, rollback_margin=2, skip_after_rollback=2
+    )
+    faults = [PowerSGDOnTheWrapper(str(tmp_path)), FaultInjector(kind, start=10, length=1, ranks=(1,))]
+    rank0, rank1 = fit_two_ranks(tmp_path, faults, guard, max_steps=20)
+    assert rank0["events"] == rank1["events"]
+    assert len(rank0["events"]) == 1 and rank0["events"][0]["step"] == 10, rank0["events"]
+    assert rank0["counters"] == rank1["counters"] == [1, 1, 0, 1]
+    assert rank0["params"] == rank1["params"] and all(math.isfinite(v) for v in rank0["params"])
+    hooks = [json.loads((tmp_path / f"powersgd_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert hooks[0]["trained"][-1] == 20 and hooks[0]["memory"][0] > 0 and hooks[0]["memory"][1]

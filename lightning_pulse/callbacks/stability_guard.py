@@ -245,6 +245,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         if action in (Action.ROLLBACK, Action.STOP):
             self._roll_back(trainer, pl_module, action)
         if action is not Action.APPLY:
+            compat.forget_comm_hook_memory(trainer)  # an undone step's compression error (PowerSGD): dropped
             log_to_loggers(trainer, self.metrics())
 
     @override
@@ -346,9 +347,8 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         step = trainer.global_step - 1  # the flagged step that triggered it (already taken)
         state = self._training_state(trainer)
         target, undone = self.core.return_to_snapshot(pl_module, state, step, rank_zero_warn)
-        cycle = pulse_cycle_of(trainer)
-        if target is not None and cycle is not None:  # every phase listener learns the phase it is in again
-            tell_restored_phase(trainer, pl_module, cycle, exclude=self)
+        if target is not None and (cycle := pulse_cycle_of(trainer)) is not None:
+            tell_restored_phase(trainer, pl_module, cycle, exclude=self)  # every listener: its phase
         message, path = self.core.conclude_rollback(action, step, target, undone, trainer.default_root_dir)
         if path is None:  # rolled back: training goes on
             return rank_zero_warn(message)

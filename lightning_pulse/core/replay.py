@@ -162,9 +162,10 @@ def validate_replay_args(
 
 #: Why HardSampleReplay refuses a setup (the first completes "HardSampleReplay ...").
 MODEL_PARALLEL_REFUSAL = (
-    "does not support ModelParallelStrategy: tensor-parallel peers must train the same samples, but its "
-    "random draws are seeded per global rank. Train with strategy='ddp', 'fsdp' or 'deepspeed', or "
-    "remove HardSampleReplay from the callbacks."
+    "does not support ModelParallelStrategy, whatever its tensor_parallel_size: with tensor parallelism the "
+    "ranks that share a batch must cut it alike, but its random draws are seeded per global rank, and its "
+    "device mesh is not read (a tensor_parallel_size of 1 is not checked either). Train with strategy='ddp' "
+    "(or FSDPStrategy or DeepSpeed, on GPUs only in Lightning), or remove HardSampleReplay from the callbacks."
 )
 FULLGRAPH_REFUSAL = (
     "cannot capture the loss of {part}, whose training_step runs under torch.compile(..., fullgraph=True): the "
