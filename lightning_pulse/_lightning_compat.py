@@ -308,18 +308,21 @@ def pass_over_plateau_update(epoch_loop: Any, monitors: set[str] | frozenset[str
     remove = _wrap_on_instance(epoch_loop, "update_lr_schedulers", wrap)
 
 
-def after_plateau_updates(trainer: pl.Trainer, hook: Callable[[list[tuple[int, Any, Any]]], Any]) -> None:
+def after_plateau_updates(
+    trainer: pl.Trainer, hook: Callable[[list[tuple[int, Any, Any]]], Any]
+) -> Callable[[], None] | None:
     """Call at a batch end: ``hook(plateaus)`` right after each of Lightning's updates of the
     ``ReduceLROnPlateau`` schedulers that follow this batch's batch-end hooks (the step-interval ones in the
     epoch loop's ``on_advance_end``; at an epoch's last batch, the epoch-interval ones in the fit loop's),
     with ``(index in lr_scheduler_configs, scheduler, index of its optimizer or None)`` for each plateau
     scheduler config. Nothing is wrapped where the fit has none. ``update_lr_schedulers`` is wrapped on the
     epoch loop instance and removes itself at the first call of a later batch (at its step update already
-    where no plateau scheduler is stepped per epoch), or a later fit."""
+    where no plateau scheduler is stepped per epoch), or a later fit. Returns a function removing it (``None``:
+    nothing wrapped) for a fit that ends before that call (an exception, ``max_steps`` mid-epoch)."""
     configs = trainer.lr_scheduler_configs
     loop = trainer.fit_loop.epoch_loop
     if not any(config.reduce_on_plateau for config in configs):
-        return
+        return None
     held = {id(optimizer): index for index, optimizer in enumerate(trainer.optimizers)}
     plateaus = [
         (index, c.scheduler, held.get(id(c.scheduler.optimizer)))
@@ -341,6 +344,7 @@ def after_plateau_updates(trainer: pl.Trainer, hook: Callable[[list[tuple[int, A
         return update_lr_schedulers
 
     remove = _wrap_on_instance(loop, "update_lr_schedulers", wrap)
+    return remove
 
 
 def _monitors(trainer: pl.Trainer) -> dict[str, list[str]]:

@@ -7,6 +7,7 @@ not core; it lives apart because two callbacks share it.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -194,7 +195,7 @@ def run_validation_probe(
             for index, batch in enumerate(batches):
                 # a copy: a module that transforms its batch in place (`batch["x"] = transforms(batch["x"])`
                 # in on_before_batch_transfer, an in-place op on CPU) leaves the kept batch as it came
-                batch = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
+                batch = _batch_copy(batch)
                 batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
                 inferred_size = None
                 if several:
@@ -228,6 +229,21 @@ def run_validation_probe(
                 values = compat.reduce_held(trainer.strategy, values, reduction, PROBE_COLLECTIVES)
             figures.update(zip(names, values.tolist()))
     return dict(sorted(figures.items()))
+
+
+def _batch_copy(batch: Any) -> Any:
+    """A copy of a kept batch for one probe: its tensors cloned through lists, tuples, mappings; any other
+    object holding tensors in its attributes (a dataclass, a batch class with ``.to()``, which Lightning moves
+    as it is) deep-copied, as an in-place change in it would reach the kept batch."""
+
+    def copied(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        found: list[torch.Tensor] = []
+        apply_to_collection(getattr(value, "__dict__", None), torch.Tensor, found.append)
+        return copy.deepcopy(value) if found else value
+
+    return apply_to_collection(batch, object, copied, wrong_dtype=(Mapping, list, tuple))
 
 
 def _reduction(reduce_fx: Any) -> str | None:

@@ -182,12 +182,23 @@ class _Plateau(_Logging):
     """Cuts its rate by a ``ReduceLROnPlateau`` on the step's logged loss, stepped every optimizer step (or
     at each epoch's end: ``interval``)."""
 
-    def __init__(self, interval: str = "step", **kwargs) -> None:
+    def __init__(self, interval: str = "step", lookahead: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.interval = interval
+        self.interval, self.lookahead = interval, lookahead
 
     def configure_optimizers(self):
         optimizer = super().configure_optimizers()
+        if self.lookahead:  # a wrapper whose state_dict nests its inner optimizer's groups
+            from tests.test_stability_guard_fit_start import _Lookahead
+
+            optimizer = _Lookahead(optimizer)
+        if self.interval == "step+epoch":  # one plateau per step, one per epoch (on the epoch's mean)
+            configs = [
+                {"scheduler": ReduceLROnPlateau(optimizer, patience=1, factor=0.5), "interval": interval}
+                | {"monitor": f"train_loss_{interval}"}
+                for interval in ("step", "epoch")
+            ]
+            return [optimizer], configs
         plateau = ReduceLROnPlateau(optimizer, patience=2, factor=0.5)
         config = {"scheduler": plateau, "interval": self.interval, "monitor": "train_loss_step"}
         return {"optimizer": optimizer, "lr_scheduler": config}
@@ -289,6 +300,85 @@ def test_a_rollback_returns_a_plateau_scheduler_to_the_runs_state_at_the_snapsho
     assert after == states.states[to_step]
     if to_step == 6:  # Lightning's update after the snapshot's batch cut the rate
         assert after["lr"] == 0.025 and states.states[5]["lr"] == 0.05
+
+
+def test_a_rollback_returns_a_lookahead_wrapped_optimizer_to_the_rate_its_plateau_set(tmp_path):
+    """A review: the snapshot took in the plateau's update of its batch, but wrote the rate it set only into a
+    saved optimizer state with top-level ``param_groups``; Lookahead nests its inner optimizer's (``"inner"``),
+    so after the rollback the scheduler said ``_last_lr`` 0.025 and ``num_bad_epochs`` 0 while the optimizer
+    ran on 0.05 (the cut lost, and not made again for ``patience + 1`` readings)."""
+    pl.seed_everything(0)
+    module = _Plateau("step", lookahead=True, damage_at=9)
+    guard = StabilityGuard(snapshot_every=6, rollback_margin=2, skip_after_rollback=3)
+    states = _StatesAtBatchStart()
+    _fit(tmp_path, module, _data(), guard, states)
+    assert guard.rollbacks == 1 and guard.events[-1]["to_step"] == 6
+    after = [state for step, state in states.seen if step > 9][0]
+    assert states.states[5]["lr"] == 0.05 and states.states[6]["lr"] == 0.025  # cut after step 6's batch
+    assert after == states.states[6]
+
+
+class _BothPlateaus(Callback):
+    """Listed after the guard: both plateau schedulers' states and the rate at every batch start."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, list] = {}
+        self.seen: list[tuple[int, list]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        configs = trainer.lr_scheduler_configs
+        state = [{k: c.scheduler.state_dict()[k] for k in PLATEAU_FIELDS} for c in configs]
+        state.append(trainer.optimizers[0].param_groups[0]["lr"])
+        self.states.setdefault(trainer.global_step, state)
+        self.seen.append((trainer.global_step, state))
+
+
+@pytest.mark.parametrize(("snapshot_every", "to_step"), [(10, 10), (5, 10), (7, 7)])
+def test_a_rollback_returns_a_step_and_an_epoch_plateau_to_the_runs_state_at_the_snapshots_step(
+    tmp_path, snapshot_every, to_step
+):
+    """A step-interval and an epoch-interval plateau on one optimizer; a snapshot at an epoch's last batch
+    (step 10: Lightning updates the step one after the batch end, the epoch one after the epoch's end) or
+    inside an epoch (7). The wrapper that takes in their readings is gone at the fit's end."""
+    pl.seed_everything(0)
+    module = _Plateau("step+epoch", damage_at=13)
+    guard = StabilityGuard(snapshot_every=snapshot_every, rollback_margin=2, skip_after_rollback=3)
+    states = _BothPlateaus()
+    trainer, _ = _fit(tmp_path, module, _data(), guard, states, epochs=3)
+    assert guard.rollbacks == 1 and guard.events[-1]["to_step"] == to_step
+    after = [state for step, state in states.seen if step > 13][0]
+    assert after == states.states[to_step]
+    assert "update_lr_schedulers" not in vars(trainer.fit_loop.epoch_loop)
+
+
+class _Raise(Callback):
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 15:
+            raise RuntimeError("a later batch-end hook failed")
+
+
+@pytest.mark.parametrize("ends", ["max_steps", "exception"])
+def test_a_fit_ending_before_the_plateau_updates_leaves_no_wrapper_installed(tmp_path, ends):
+    """A review: the wrapper that takes in a snapshot's plateau readings removed itself only at a later update
+    call, so a fit ending mid-epoch at ``max_steps`` on a snapshot step with an epoch plateau, or raising in a
+    later batch-end hook, left it on the epoch loop (holding the snapshot) to fire in a later fit. The
+    guard now removes it at its teardown and on an exception."""
+    module = _Plateau("step+epoch")
+    guard = StabilityGuard(snapshot_every=5, rollback_margin=2)
+    trainer = pl.Trainer(
+        callbacks=[guard] + ([_Raise()] if ends == "exception" else []),
+        max_epochs=3,
+        max_steps=15 if ends == "max_steps" else -1,
+        default_root_dir=tmp_path,
+        **trainer_kwargs(),
+    )
+    if ends == "exception":
+        with pytest.raises(RuntimeError, match="later batch-end hook"):
+            trainer.fit(module, DataLoader(_data(), batch_size=BATCH))
+    else:
+        trainer.fit(module, DataLoader(_data(), batch_size=BATCH))
+    assert trainer.global_step == 15
+    assert "update_lr_schedulers" not in vars(trainer.fit_loop.epoch_loop)
 
 
 @pytest.mark.parametrize("interval", ["epoch", "step"])

@@ -34,6 +34,7 @@ class SnapshotMoments:
     def __init__(self) -> None:
         self._start = compat.HookWatch(compat.after_train_start)
         self._end = compat.HookWatch(compat.after_train_batch_ends)
+        self._plateaus = compat.HookWatch(compat.after_plateau_updates)  # a snapshot's plateau readings
         self._after_others = False  # a RollbackAware callback listed after the guard closes steps later
         # a step whose snapshot waits for every batch end (a checkpoint saved in between holds none of it)
         self.due_step: int | None = None
@@ -60,8 +61,14 @@ class SnapshotMoments:
 
         self._end.once(trainer, take_when_done)
 
+    def plateau_readings(self, trainer: pl.Trainer, take: Callable[[Any], None]) -> None:
+        """``take(plateaus)`` after Lightning's plateau updates of this batch (``compat.after_plateau_updates``:
+        a snapshot's readings), removed by :meth:`stop` if the fit ends before them."""
+        self._plateaus.watch(trainer, take)
+
     def stop(self) -> None:
         """Remove what is installed (the fit's end, an exception)."""
         self.due_step = None
         self._start.stop()
         self._end.stop()
+        self._plateaus.stop()

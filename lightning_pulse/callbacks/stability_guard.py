@@ -340,7 +340,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         """Snapshot the state unless a rank holds values a rollback must not return to (said once)."""
         state, sums = self._training_state(trainer), self._sum_over_ranks(trainer)
         if self.core.take_snapshot(trainer.global_step, pl_module, *state, rank_zero_warn, sums):
-            compat.after_plateau_updates(trainer, self.snapshots.newest().take_plateau_readings)
+            self._moments.plateau_readings(trainer, self.snapshots.newest().take_plateau_readings)
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
         """Back to the newest snapshot ``rollback_margin`` steps before the incident; go on, or save and raise."""

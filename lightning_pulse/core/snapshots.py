@@ -208,6 +208,9 @@ class TrainingSnapshot:
         inner_kinds: the classes of those inner optimizers; ``None``: not recorded.
         parameter_ids: the identities of the parameters the optimizers held when taken
             (:func:`optimizer_parameter_ids`); ``None``: not recorded (a checkpoint's: ids are per process).
+        plateau_rates: by optimizer index, the ``lr`` of each of its parameter groups as a
+            ``ReduceLROnPlateau`` set them after the snapshot in its batch (:meth:`take_plateau_readings`);
+            :func:`restore_snapshot` sets them last, whatever the optimizer's ``state_dict`` nests.
     """
 
     step: int
@@ -224,6 +227,7 @@ class TrainingSnapshot:
     optimizer_kinds: tuple[type, ...] | None = None
     inner_kinds: tuple[type, ...] | None = None
     parameter_ids: tuple[int, ...] | None = None
+    plateau_rates: dict[int, list[Any]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -310,11 +314,16 @@ class TrainingSnapshot:
         taken in (``(index among the snapshot's schedulers, scheduler, index of its optimizer or None)``), and
         the rates they set in their optimizers' groups. Lightning steps them after every batch-end hook, where
         a snapshot is taken: without their reading of that batch, a rollback left them one reading behind the
-        run at the snapshot's step (``num_bad_epochs`` 2 for 0, the rate cut a step early)."""
+        run at the snapshot's step (``num_bad_epochs`` 2 for 0, the rate cut a step early). The rates are also
+        kept apart (:attr:`plateau_rates`): a wrapper's ``state_dict`` may nest its inner optimizer's groups
+        (Lookahead's ``"inner"``), which the write below does not reach."""
         for index, scheduler, optimizer_index in plateaus:
             if index >= len(self.schedulers):
                 continue
             self.schedulers[index] = copy_to_cpu(scheduler.state_dict())
+            if optimizer_index is not None:
+                rates = [copy_to_cpu(group["lr"]) for group in scheduler.optimizer.param_groups]
+                self.plateau_rates[optimizer_index] = rates
             saved = self.optimizers[optimizer_index] if optimizer_index is not None else None
             groups = saved.get("param_groups") if isinstance(saved, dict) else None
             if groups is not None and len(groups) == len(scheduler.optimizer.param_groups):
@@ -332,6 +341,7 @@ def snapshot_state(snapshot: TrainingSnapshot) -> dict[str, Any]:
     reads it back."""
     state = {name: getattr(snapshot, name) for name in _CHECKPOINTED_FIELDS}
     state["inner_optimizers"] = snapshot.inner_optimizers
+    state["plateau_rates"] = snapshot.plateau_rates
     state["layout"] = None if snapshot.layout is None else [list(group) for group in snapshot.layout]
     inner = snapshot.inner_layout
     state["inner_layout"] = None if inner is None else [list(group) for group in inner]
@@ -345,6 +355,7 @@ def snapshot_from_state(state: Mapping[str, Any]) -> TrainingSnapshot:
     return TrainingSnapshot(
         **{name: state[name] for name in _CHECKPOINTED_FIELDS},
         inner_optimizers=list(state.get("inner_optimizers", [])),
+        plateau_rates=dict(state.get("plateau_rates", {})),
         layout=None if layout is None else tuple(tuple(group) for group in layout),
         inner_layout=None if inner is None else tuple(tuple(group) for group in inner),
     )
@@ -665,6 +676,12 @@ def restore_snapshot(
     if rewind_schedule:
         for scheduler, state in zip(schedulers, snapshot.schedulers):
             scheduler.load_state_dict(copy.deepcopy(state))
+        # last: a wrapper's groups are its inner optimizer's, which its own state nests
+        for index, rates in snapshot.plateau_rates.items():
+            groups = optimizers[index].param_groups if index < len(optimizers) else []
+            if len(groups) == len(rates):
+                for group, rate in zip(groups, rates):
+                    group["lr"] = copy.deepcopy(rate)
     for key, stateful in (callbacks or {}).items():
         if key in snapshot.callbacks:
             stateful.load_state_dict(copy.deepcopy(snapshot.callbacks[key]))
