@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import math
@@ -561,3 +562,31 @@ def test_a_layer_called_on_zero_positions_in_a_measured_step_adds_nothing_to_the
     assert [entry["step"] for entry in with_empty_call] == [0, 2]
     assert with_empty_call == without  # figures of the two layers that ran on positions, bit for bit
     assert all(entry["layers"] == 2 and math.isfinite(entry["off_diagonal_mass"]) for entry in without)
+
+
+def test_a_teacher_deep_copied_in_a_measured_step_does_not_record_its_forwards():
+    # a mean teacher made lazily in the first training_step (step 0 is measured): the copy carried the hooks
+    # and a recorder stuck in recording mode, which kept every later teacher forward's H_res (24 after the fit)
+    class LazyTeacher(TwoLayerModule):
+        def __init__(self, net: torch.nn.Module) -> None:
+            super().__init__(net)
+            self.teacher: list[torch.nn.Module] = []
+
+        def training_step(self, batch, batch_idx):
+            if not self.teacher:  # kept out of the module tree, as EMA teachers often are
+                self.teacher.append(copy.deepcopy(self.net).requires_grad_(False))
+            with torch.no_grad():
+                self.teacher[0](batch[0])
+            return super().training_step(batch, batch_idx)
+
+    monitor = HyperConnectionMonitor(every_n_steps=4)
+    module = LazyTeacher(TwoLayerNet())
+    _fit_two_layer(module, monitor, steps=6)
+    assert [entry["step"] for entry in monitor.history] == [0, 4] and monitor.last["layers"] == 2
+    teacher = module.teacher[0]
+    for _ in range(3):
+        teacher(torch.randn(2, 5, 16))
+    hooks = [hook for layer in teacher.layers for hook in layer._forward_hooks.values()]
+    assert hooks, "the copy's hooks are expected to travel with it (idle), else this test checks nothing"
+    assert all(not hook.__self__.recording and hook.__self__.h_res == [] for hook in hooks)
+    assert all(hook.__self__.layers == [] for hook in hooks)  # not dragging other layers into the copy

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -658,3 +659,86 @@ def test_a_branch_output_not_of_the_branch_input_shape_is_refused_naming_the_lay
     layer = cls(branch(), WIDTH, 4, channel_dim=channel_dim)
     with pytest.raises(ValueError, match=rf"^{cls.__name__}: the branch returned .*{expected}"):
         layer(expand_streams(torch.randn(x_shape), 4, channel_dim=channel_dim))
+
+
+def _legacy_state_dict(layer: HyperConnection) -> dict[str, torch.Tensor]:
+    """``layer``'s state as saved before the state_dict version: torch's default version 1, no variant."""
+    state = layer.state_dict()
+    for metadata in state._metadata.values():
+        metadata.pop("hyper_connection", None)
+        metadata["version"] = 1
+    return state
+
+
+def test_a_pre_unit_scale_phi_state_dict_warns_and_the_documented_rescale_restores_its_function():
+    # Before commit adeed8c (2026-11-29) phi was stored at N(0, 1/(nC)) and used unscaled; the layer now
+    # multiplies it by phi_scale = 1/sqrt(nC). Such a state_dict loaded silently into a different function.
+    torch.manual_seed(0)
+    n, width = 4, 4 * WIDTH
+    old = ManifoldHyperConnection(pre_norm_branch(), WIDTH, n)
+    old.phi_scale = 1.0  # the old layer's forward: phi used as stored
+    with torch.no_grad():
+        for name in ("phi_pre", "phi_post", "phi_res"):
+            getattr(old, name).copy_(torch.randn_like(getattr(old, name)) / math.sqrt(width))
+        old.alpha_res.fill_(0.6), old.alpha_pre.fill_(0.3), old.alpha_post.fill_(0.3)  # as trained
+    state = _legacy_state_dict(old)
+    x = expand_streams(torch.randn(2, 8, WIDTH), n)
+
+    new = ManifoldHyperConnection(pre_norm_branch(), WIDTH, n)
+    with pytest.warns(
+        UserWarning, match=r"saved before 2026-11-29.*multiply phi_pre, phi_post and phi_res by sqrt"
+    ):
+        new.load_state_dict(state)
+    assert (new(x) - old(x)).abs().max() > 0.1  # what loading as-is computes
+
+    for name in ("phi_pre", "phi_post", "phi_res"):  # the migration in docs/mhc.md
+        state[name] = state[name] * state[name].shape[0] ** 0.5
+    new.load_state_dict(state)
+    torch.testing.assert_close(new(x), old(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [ManifoldHyperConnection, HyperConnection])
+def test_current_state_dicts_load_without_a_warning_also_those_saved_before_the_version(cls):
+    torch.manual_seed(0)
+    trained = cls(mlp_branch(), WIDTH, 4)
+    with torch.no_grad():
+        for name in ("phi_pre", "phi_post", "phi_res"):
+            getattr(trained, name).mul_(1.5)  # a unit-scale phi after some training
+    state = trained.state_dict()
+    assert state._metadata[""] == {"version": 2, "hyper_connection": trained._variant}
+    for saved in (state, _legacy_state_dict(trained)):  # since adeed8c and before this version
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cls(mlp_branch(), WIDTH, 4).load_state_dict(saved)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [(HyperConnection, ManifoldHyperConnection), (ManifoldHyperConnection, HyperConnection)],
+)
+def test_an_hc_state_dict_is_refused_by_an_mhc_layer_and_the_other_way_round(saved, loaded):
+    # same names and shapes, but b_* are coefficients in HC and logits in mHC: loaded silently before
+    state = nn.Sequential(saved(mlp_branch(), WIDTH, 4)).state_dict()
+    target = nn.Sequential(loaded(mlp_branch(), WIDTH, 4))
+    before = target[0].b_res.detach().clone()
+    with pytest.raises(RuntimeError, match=rf"{loaded.__name__} at '0' .*cannot load the state of an? "):
+        target.load_state_dict(state, strict=False)
+    assert torch.equal(target[0].b_res, before)
+
+
+@pytest.mark.parametrize("cls", [ManifoldHyperConnection, HyperConnection])
+def test_a_layer_built_on_the_meta_device_is_initialised_by_to_empty_and_reset_parameters(cls):
+    # what Lightning does for ModelParallelStrategy / FSDP2 after configure_model builds on the meta device
+    reference = cls(mlp_branch(), WIDTH, 4, alpha_init=0.02, spread=0.3)
+    with torch.device("meta"):
+        layer = cls(mlp_branch(), WIDTH, 4, alpha_init=0.02, spread=0.3)
+    layer.to_empty(device="cpu")
+    for module in layer.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    for name in ("b_pre", "b_post", "b_res", *GATES):
+        torch.testing.assert_close(getattr(layer, name), getattr(reference, name), rtol=0, atol=0)
+    for name in ("phi_pre", "phi_post", "phi_res"):
+        assert 0.7 < getattr(layer, name).std() < 1.3
+    x = expand_streams(torch.randn(2, 3, WIDTH), 4)
+    assert torch.isfinite(layer(x)).all()

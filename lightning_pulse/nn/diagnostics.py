@@ -156,6 +156,20 @@ class HyperConnectionRecorder:
         self.recording = False
         self._handles: list[RemovableHandle] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickle) is inert: not recording, nothing recorded, no layers or hooks.
+
+        ``deepcopy`` of a hooked model copies each layer's hook, a bound method of this recorder, and with it
+        the recorder. A copy made while recording (an EMA / mean teacher built in a measured training step)
+        would otherwise record every later forward of the copied model into lists nobody clears.
+        """
+        state = self.__dict__.copy()
+        state.update(h_res=[], stream_rms=[], called=[], chained=[], _last_output=None, recording=False)
+        # no layers: a copy of one submodule would drag copies of the others along; no handles: they point
+        # into the original layers' hook dicts. The copied hooks stay on the copied layers, idle.
+        state.update(layers=[], _handles=[])
+        return state
+
     def _hook(
         self, layer: HyperConnection, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor
     ) -> None:

@@ -57,6 +57,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import warnings
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -355,16 +356,33 @@ class HyperConnection(nn.Module):
         # N(0, 1/(nC)) entries is a relative change of lr * sqrt(nC) per step (34% at lr 3e-2, nC = 128); the
         # H_res logits then spread by 100+ within a hundred steps and 20 Sinkhorn iterations stop converging.
         self.phi_scale = 1.0 / math.sqrt(width)
-        self.phi_pre = nn.Parameter(torch.randn(width, n))
-        self.phi_post = nn.Parameter(torch.randn(width, n))
-        self.phi_res = nn.Parameter(torch.randn(width, n * n))
-        self.alpha_pre = nn.Parameter(torch.tensor(float(alpha_init)))
-        self.alpha_post = nn.Parameter(torch.tensor(float(alpha_init)))
-        self.alpha_res = nn.Parameter(torch.tensor(float(alpha_init)))
-        pre, post, res = self._initial_biases(spread)
-        self.b_pre = nn.Parameter(pre)
-        self.b_post = nn.Parameter(post)
-        self.b_res = nn.Parameter(res)
+        self._alpha_init, self._spread = float(alpha_init), spread  # for reset_parameters
+        self.phi_pre = nn.Parameter(torch.empty(width, n))
+        self.phi_post = nn.Parameter(torch.empty(width, n))
+        self.phi_res = nn.Parameter(torch.empty(width, n * n))
+        self.alpha_pre = nn.Parameter(torch.empty(()))
+        self.alpha_post = nn.Parameter(torch.empty(()))
+        self.alpha_res = nn.Parameter(torch.empty(()))
+        self.b_pre = nn.Parameter(torch.empty(n))
+        self.b_post = nn.Parameter(torch.empty(n))
+        self.b_res = nn.Parameter(torch.empty(n, n))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re)initialise the coefficient parameters as at construction (the branch is left alone).
+
+        What Lightning and FSDP2 call on each module after materialising a model built on the meta device
+        (``to_empty`` + ``reset_parameters``); without it the layer would keep uninitialised memory.
+        """
+        if self.n_streams == 1:
+            return
+        with torch.no_grad():
+            for phi in (self.phi_pre, self.phi_post, self.phi_res):
+                phi.normal_()  # the values torch.randn gave, draw for draw
+            for alpha in (self.alpha_pre, self.alpha_post, self.alpha_res):
+                alpha.fill_(self._alpha_init)
+            for bias, value in zip((self.b_pre, self.b_post, self.b_res), self._initial_biases(self._spread)):
+                bias.copy_(value)
 
     # ------------------------------------------------------------------ variant-specific parts
     def _initial_biases(self, spread: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -500,6 +518,65 @@ class HyperConnection(nn.Module):
             out = out.movedim((-2, -1), (axis, axis + 1))
         return out
 
+    # ------------------------------------------------------------------ state_dict layout
+    # Version 2 (2026-12): state_dicts record the variant ("hc" / "mhc") in their metadata. Version 1 (torch's
+    # default) covers two layouts metadata cannot tell apart: phi stored at N(0, 1/(nC)) and used unscaled
+    # (before commit adeed8c, 2026-11-29) and phi at unit scale times phi_scale (since then).
+    _version = 2
+    _variant = "hc"
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None and self.n_streams > 1:
+            metadata.setdefault(prefix[:-1], {})["hyper_connection"] = self._variant
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        if self.n_streams > 1:
+            variant = local_metadata.get("hyper_connection")
+            if variant is not None and variant != self._variant:
+                # same names and shapes, but b_* (and alpha) mean different things in HC and mHC
+                error_msgs.append(
+                    f"{type(self).__name__} at {prefix[:-1] or '<root>'!r} ({self._variant}) cannot load the "
+                    f"state of a{'n' if variant == 'mhc' else ''} {variant} layer: the parameters have the same "
+                    "names and shapes but another meaning (HC's b_* are the coefficients, mHC's the logits of "
+                    "sigmoid / Sinkhorn). Build the model with the variant it was trained with."
+                )
+                return
+            if (local_metadata.get("version") or 1) < 2:
+                self._warn_if_phi_looks_pre_adeed8c(state_dict, prefix)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def _warn_if_phi_looks_pre_adeed8c(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """A state_dict without a version may hold phi as stored before commit adeed8c (2026-11-29), at
+        N(0, 1/(nC)) and used unscaled, which this layer would scale by 1/sqrt(nC) again. Its RMS tells: about
+        1/sqrt(nC) then, about 1 since. Warn (never convert: most such state_dicts are of the current layout)."""
+        phis = [state_dict.get(prefix + name) for name in ("phi_pre", "phi_post", "phi_res")]
+        if not all(type(phi) in (Tensor, nn.Parameter) and not phi.is_meta for phi in phis):
+            return  # absent (reported by torch), sharded or meta: nothing to read cheaply
+        width = self.n_streams * self.dim
+        rms = float(torch.cat([phi.detach().reshape(-1).float().cpu() for phi in phis]).pow(2).mean().sqrt())
+        if rms < width**-0.25:  # the geometric midpoint of the two layouts' initial RMS
+            warnings.warn(
+                f"{type(self).__name__} at {prefix[:-1] or '<root>'!r}: the loaded phi has RMS {rms:.3g}, the scale "
+                f"of state_dicts saved before 2026-11-29 (commit adeed8c; init 1/sqrt(nC) = {width**-0.5:.3g}), "
+                f"whose layer used phi unscaled; this layer multiplies it by 1/sqrt(nC), so those weights would "
+                f"compute a different function. If it was saved by that code, multiply phi_pre, phi_post and "
+                f"phi_res by sqrt(nC) = {width**0.5:.4g} before loading (docs/mhc.md, Changelog).",
+                stacklevel=2,
+            )
+
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_streams={self.n_streams}, channel_dim={self.channel_dim}"
 
@@ -540,6 +617,8 @@ class ManifoldHyperConnection(HyperConnection):
         >>> collapse_streams(blocks(expand_streams(x, 4))).shape
         torch.Size([2, 5, 16])
     """
+
+    _variant = "mhc"
 
     def __init__(
         self,
