@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -779,6 +780,22 @@ def loaded_checkpoint(trainer: pl.Trainer) -> dict[str, Any] | None:
     """
     connector = getattr(trainer, "_checkpoint_connector", None)
     return getattr(connector, "_loaded_checkpoint", None) or None
+
+
+#: how Lightning's finders name the checkpoint they save before their trials (tuner/batch_size_scaling.py,
+#: tuner/lr_finder.py) and restore after them, in ``default_root_dir``
+_TUNER_CHECKPOINT_PREFIXES = (".scale_batch_size_", ".lr_find_")
+
+
+def restoring_tuner_checkpoint(trainer: pl.Trainer) -> bool:
+    """Whether Lightning is restoring, right now, the checkpoint a batch-size or learning-rate search
+    (``BatchSizeFinder``/``LearningRateFinder``, as callbacks or through ``Tuner``) saved before its trials: the
+    state from before the trials, put back inside the fit's ``on_fit_start`` (no resume of a saved run)."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    path = getattr(connector, "_ckpt_path", None)
+    if not getattr(connector, "_loaded_checkpoint", None) or not isinstance(path, (str, os.PathLike)):
+        return False  # nothing being restored (a rollback by hand, a load outside the connector)
+    return os.path.basename(os.fspath(path)).startswith(_TUNER_CHECKPOINT_PREFIXES)
 
 
 def spawns_worker_processes(trainer: pl.Trainer) -> bool:

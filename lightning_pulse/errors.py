@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import numbers
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -323,6 +324,7 @@ class FitRestores:
 
     def __init__(self) -> None:
         self._trainer_state: TrainerState | None = None  # one object for the Trainer's life, updated in place
+        self._trainer: weakref.ReferenceType[pl.Trainer] | None = None  # weak: not its model and data
 
     def setup(self, trainer: pl.Trainer, callback: Callback) -> None:
         """At ``callback``'s ``setup`` hook, in every stage (before Lightning restores a checkpoint into the
@@ -330,6 +332,10 @@ class FitRestores:
         fit's, refuses a second callback with its checkpoint key (:func:`refuse_shared_key`).
         """
         self._trainer_state = getattr(trainer, "state", None)  # a stand-in trainer (a test's) may have none
+        try:
+            self._trainer = weakref.ref(trainer)
+        except TypeError:  # a stand-in trainer without weak references
+            self._trainer = None
         refuse_other_lightning_package(trainer, callback)
         if getattr(self._trainer_state, "fn", None) == TrainerFn.FITTING:
             refuse_shared_key(trainer, callback)
@@ -338,6 +344,17 @@ class FitRestores:
         """From ``load_state_dict``: whether to load the state (not while validate, test or predict run)."""
         state = self._trainer_state
         return state is None or state.status != TrainerStatus.RUNNING or state.fn == TrainerFn.FITTING
+
+    def tuner_restore(self) -> bool:
+        """From ``load_state_dict``: whether the load is a batch-size or learning-rate search putting back the
+        state it saved before its trials (inside the fit's ``on_fit_start``), not a resume."""
+        from lightning_pulse import _lightning_compat as compat  # it imports this module
+
+        trainer = None if self._trainer is None else self._trainer()
+        return trainer is not None and compat.restoring_tuner_checkpoint(trainer)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled by ``ddp_spawn`` after a fit too: no weak reference
+        return {**self.__dict__, "_trainer": None}
 
 
 class OneRunPerInstance(FitRestores):
@@ -348,10 +365,13 @@ class OneRunPerInstance(FitRestores):
     on the same Trainer or a new one (a loop over folds), they would be silently wrong. :meth:`start`, at
     ``on_train_start``, refuses when this instance already started a run, unless a checkpoint was just
     restored into it (:meth:`restored`, from ``load_state_dict``: a resume); then it records the run. A Tuner
-    search does not count: it restores the state from before its trials. A state loaded by validate, test or
-    predict is dropped (:class:`FitRestores`): it is no resume. An earlier fit that stopped before its first
-    optimizer step (a refusal at train start, an exception in the first ``training_step``) is refused too (the
-    instance may be partly set up for it), and so is a ``fast_dev_run`` smoke test; the message says which.
+    search (a ``BatchSizeFinder`` or ``LearningRateFinder``, as callbacks or through ``Tuner``) does not count
+    as a run, and its restore of the state it saved before its trials is no resume either
+    (:meth:`FitRestores.tuner_restore`): the real fit after it is refused or recorded as without the search.
+    A state loaded by validate, test or predict is dropped (:class:`FitRestores`): it is no resume. An earlier
+    fit that stopped before its first optimizer step (a refusal at train start, an exception in the first
+    ``training_step``) is refused too (the instance may be partly set up for it), and so is a ``fast_dev_run``
+    smoke test; the message says which.
 
     Args:
         callback: the callback's name, for the message.
@@ -371,7 +391,8 @@ class OneRunPerInstance(FitRestores):
         whether to load it (:meth:`FitRestores.restored`)."""
         if not super().restored():
             return False
-        self._restored = True
+        # a search putting back the state it saved before its trials: loaded as before, but it is no resume
+        self._restored = self._restored or not self.tuner_restore()
         return True
 
     def start(self, trainer: pl.Trainer) -> None:
@@ -381,8 +402,6 @@ class OneRunPerInstance(FitRestores):
             PulseRefusal: when the instance already trained a run and nothing was restored into it.
         """
         restored, self._restored = self._restored, False
-        if tuner_search(trainer) is not None:
-            return
         if self.started_at_step is not None and not restored:
             raise PulseRefusal(self._second_run_message())
         from lightning_pulse import _lightning_compat as compat  # it imports this module

@@ -71,6 +71,8 @@ def test_scheduled_prune_private_api_still_exists():
     trainer = pl.Trainer(**trainer_kwargs())
     assert hasattr(trainer._checkpoint_connector, "_loaded_checkpoint")
     assert compat.loaded_checkpoint(trainer) is None
+    assert hasattr(trainer._checkpoint_connector, "_ckpt_path")  # the finders' restore: no resume
+    assert not compat.restoring_tuner_checkpoint(trainer)
     assert callable(DDPStrategy._setup_model) and callable(DDPStrategy._register_ddp_hooks)
     assert compat.spawns_worker_processes(pl.Trainer(**trainer_kwargs(devices=2, strategy="ddp_spawn")))
     assert not compat.rewrap_ddp(trainer)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.tuner import Tuner
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import GradientCache, HardSampleReplay, PulseCycle, ScheduledPrune, StabilityGuard
 from lightning_pulse.errors import PulseRefusal
-from tests.conftest import trainer_kwargs
+from tests.conftest import stop_after_epochs, trainer_kwargs
 
 CYCLE = dict(burst=6, replay=6, maintain=2, warmup=0.1, anneal=0.1, maintain_eval="none")
 
@@ -203,3 +203,84 @@ def test_a_fast_dev_run_before_the_real_fit_is_named_in_the_refusal():
     ) as refused:
         real.fit(MNIST1DClassifier(arch="mlp"), _data())
     assert "the real fit needs new callbacks" in str(refused.value) and "ckpt_path" not in str(refused.value)
+
+
+def _finder(name):
+    if name == "BatchSizeFinder":
+        return BatchSizeFinder(init_val=32, max_trials=1, steps_per_trial=2)
+    return LearningRateFinder(num_training_steps=4, update_attr=False)
+
+
+def _mlp():
+    return MNIST1DClassifier(arch="mlp", width=32)
+
+
+def _zero_share(model):
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(int((w == 0).sum()) for w in weights) / sum(w.numel() for w in weights)
+
+
+@pytest.mark.parametrize("finder", ["BatchSizeFinder", "LearningRateFinder"])
+def test_a_finder_callback_does_not_let_an_instance_train_a_second_fold(finder, tmp_path):
+    """Held-out sweep: with a finder in Trainer(callbacks=...), a reused instance trained a second fold
+    silently (ScheduledPrune left fold 2's model unpruned while reporting sparsity 0.500, PulseCycle's clock
+    carried on from fold 1). The finder's restore of the checkpoint it saved before its trials is no resume:
+    a second fit is refused as without the finder, and a fresh instance per fold trains and prunes."""
+    prune, cycle, cache, guard = (
+        ScheduledPrune(final_sparsity=0.5, every=2),
+        PulseCycle(**CYCLE),
+        GradientCache(),
+        StabilityGuard(),
+    )
+
+    def trainer(callbacks):
+        return pl.Trainer(
+            callbacks=[_finder(finder), *callbacks], max_steps=16, **trainer_kwargs(default_root_dir=tmp_path)
+        )
+
+    first, model = trainer([prune, cycle, cache, guard]), _mlp()
+    first.fit(model, _data())
+    assert first.global_step == 16 and _zero_share(model) > 0.45
+    for reused in (prune, cycle, cache, guard):  # a loop over folds: a new Trainer and model each time
+        fold = trainer([reused])
+        with pytest.raises(
+            PulseRefusal, match=rf"^{type(reused).__name__}: this instance already trained a run"
+        ):
+            fold.fit(_mlp(), _data())
+        assert fold.global_step == 0
+    first.fit_loop.epoch_loop.max_steps = 24  # the same Trainer asked for more steps
+    with pytest.raises(
+        PulseRefusal, match=r"^ScheduledPrune: this instance already trained a run .*ckpt_path"
+    ):
+        first.fit(_mlp(), _data())
+    assert first.global_step == 16
+    for _ in range(2):  # new callbacks for each fold: each trains and prunes its own model
+        fold, model = trainer([ScheduledPrune(final_sparsity=0.5, every=2), PulseCycle(**CYCLE)]), _mlp()
+        fold.fit(model, _data())
+        assert fold.global_step == 16 and _zero_share(model) > 0.45
+
+
+@pytest.mark.parametrize("finder", ["BatchSizeFinder", "LearningRateFinder"])
+def test_a_resume_with_a_finder_attached_is_still_a_resume(finder, tmp_path):
+    """A resume with a finder attached loads the saved run's state, then the finder's own pre-trial state: the
+    first makes it a resume, on a new Trainer (ckpt_path=PATH) and on the same one (ckpt_path="last")."""
+    callbacks = [ScheduledPrune(final_sparsity=0.5, every=2), PulseCycle(**CYCLE)]
+    kwargs = trainer_kwargs(enable_checkpointing=True, default_root_dir=tmp_path)
+
+    def trainer(epochs, *extra):
+        saving = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True)
+        return pl.Trainer(
+            callbacks=[_finder(finder), *callbacks, saving, *extra], max_epochs=epochs, **kwargs
+        )
+
+    first = trainer(2, stop_after_epochs(1))
+    first.fit(_mlp(), _data())
+    assert first.global_step > 0
+    # a new Trainer resuming the saved run (the finder runs again before it)
+    resumed, model = trainer(2), _mlp()
+    resumed.fit(model, _data(), ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
+    assert resumed.global_step == 2 * first.global_step and _zero_share(model) > 0.45
+    # a second fit of the same Trainer from its last checkpoint
+    resumed.fit_loop.max_epochs = 3
+    resumed.fit(model, _data(), ckpt_path="last")
+    assert resumed.global_step == 3 * first.global_step
