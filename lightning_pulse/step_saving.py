@@ -25,7 +25,9 @@ from lightning_pulse.callbacks.pulse_cycle import pulse_cycle_of
 from lightning_pulse.core.replay import (
     CUT_EPOCH_WAY_OUT_BY_EPOCHS,
     CUT_EPOCH_WAY_OUT_BY_STEPS,
+    SCHEDULE_FREQUENCY_COUNT,
     SCHEDULE_FREQUENCY_WAY_OUT,
+    SCHEDULE_LENGTH_WAY_OUT,
     SEQUENTIAL_SCHEDULE_WAY_OUT,
     STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL,
     STEPS_MODE_CLOCK_REFUSAL,
@@ -40,6 +42,8 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_SAMPLER_LENGTH_REFUSAL,
     STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL,
     STEPS_MODE_SCHEDULE_LENGTH_REFUSAL,
+    STEPS_MODE_SCHEDULE_NEVER_STEPPED_REFUSAL,
+    STEPS_MODE_SCHEDULE_OUTRUN_REFUSAL,
     STEPS_MODE_SEQUENTIAL_MILESTONE_REFUSAL,
     STEPS_MODE_STEP_BOUND_REFUSAL,
     Composition,
@@ -69,6 +73,7 @@ from lightning_pulse.core.step_plan import (
     schedule_position,
     scheduler_end,
     scheduler_outrun,
+    scheduler_overrun,
     scheduler_past_end,
     sequential_part,
 )
@@ -298,8 +303,13 @@ class StepSavingLoader:
                 STEPS_MODE_SAMPLER_LENGTH_REFUSAL.format(sampler=type(sampler).__name__)
             ) from None
         accumulate = trainer.accumulate_grad_batches
-        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
-            raise PulseRefusal(STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL.format(accumulate=accumulate))
+        scheduled = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+        if scheduled is not None:
+            raise PulseRefusal(
+                STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL.format(
+                    accumulate=accumulate, scheduled=scheduled.get_accumulate_grad_batches(0)
+                )
+            )
         if cycle is not None:
             cycle.fit_budget(fraction, light_phases, math.ceil(plain_batches / accumulate))
         self._join_run_under_way(trainer, plain_batches)
@@ -573,10 +583,33 @@ class StepSavingLoader:
         if plan is None or unplanned is None:
             return
         steps = self.planned_scheduler_steps(trainer, unplanned.max_epochs)
+        # a fresh fit's (a restored scheduler's length is the checkpoint's: check_resumed_plan)
+        over = scheduler_overrun(trainer.lr_scheduler_configs, steps) if trainer.global_step == 0 else None
+        if over is not None:
+            name, length, stepped, every = over
+            raise PulseRefusal(
+                STEPS_MODE_SCHEDULE_OUTRUN_REFUSAL.format(
+                    scheduler=name,
+                    length=length,
+                    stepped=stepped,
+                    planned=plan.total_steps,
+                    how=SCHEDULE_FREQUENCY_COUNT.format(frequency=every) if every > 1 else "",
+                )
+            )
         for config in trainer.lr_scheduler_configs:
             cut = unplanned.cut_short(config, plan.total_steps, steps)
             if cut is None:
                 continue
+            every = max(1, int(config.frequency))
+            if every > 1 and cut.stepped == 0:  # no length ends with the run (0 raises in OneCycleLR)
+                raise PulseRefusal(
+                    STEPS_MODE_SCHEDULE_NEVER_STEPPED_REFUSAL.format(
+                        scheduler=type(config.scheduler).__name__,
+                        frequency=every,
+                        length=cut.length,
+                        planned=plan.total_steps,
+                    )
+                )
             if cut.frequency > 1 and cut.length == plan.total_steps:  # estimated_stepping_batches, undivided?
                 raise PulseRefusal(
                     STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL.format(
@@ -601,15 +634,23 @@ class StepSavingLoader:
                         share=cut.share,
                     )
                 )
+            # stepped fewer times than the optimizer: its count is the one length (replacing, not added to,
+            # the planned steps' way out)
+            way_out = (
+                SCHEDULE_FREQUENCY_WAY_OUT.format(
+                    frequency=every, stepped=cut.stepped, planned=plan.total_steps
+                )
+                if every > 1 and cut.stepped != plan.total_steps
+                else SCHEDULE_LENGTH_WAY_OUT.format(planned=plan.total_steps)
+            )
             refusal = STEPS_MODE_SCHEDULE_LENGTH_REFUSAL.format(
                 scheduler=type(config.scheduler).__name__,
                 length=cut.length,
                 source=cut.source,
                 planned=plan.total_steps,
                 share=cut.share,
+                way_out=way_out,
             )
-            if (every := max(1, int(config.frequency))) > 1 and cut.stepped != plan.total_steps:
-                refusal += SCHEDULE_FREQUENCY_WAY_OUT.format(frequency=every, stepped=cut.stepped)
             if part is not None:
                 refusal += SEQUENTIAL_SCHEDULE_WAY_OUT.format(
                     scheduler=part[0], start=part[1], length=sum(part[1:])

@@ -767,6 +767,21 @@ def test_an_accumulation_schedule_is_refused_before_the_first_step():
         trainer.fit(OneCycleClassifier(), ShuffleFreeData(num_samples=1000, batch_size=64))
     assert counter.steps == 0
 
+    # review: the refusal named the Trainer's `accumulate_grad_batches`=1 as the run's, where the scheduler
+    # sets 3 for epoch 0
+    trainer = pl.Trainer(
+        max_epochs=4,
+        callbacks=[HardSampleReplay(), GradientAccumulationScheduler({0: 3, 2: 1})],
+        **trainer_kwargs(),
+    )
+    with pytest.raises(PulseRefusal) as refusal:
+        trainer.fit(OneCycleClassifier(), ShuffleFreeData(num_samples=1000, batch_size=64))
+    assert str(refusal.value).startswith(
+        "HardSampleReplay: mode='steps' plans the run's optimizer steps at fit start with "
+        "`accumulate_grad_batches`=1 (the Trainer's; the scheduler sets 3 at epoch 0), and a "
+        "GradientAccumulationScheduler changes it during the run"
+    )
+
 
 def test_a_run_bounded_by_max_steps_alone_is_refused_when_its_lr_schedule_read_the_unplanned_length():
     """With max_epochs=-1 Lightning builds the scheduler before the data, so OneCycleLR was built for
@@ -855,11 +870,11 @@ def test_a_schedule_stepped_every_other_step_built_for_the_unplanned_run_over_it
     assert str(refusal.value) == (
         "HardSampleReplay: the per-step CosineAnnealingLR was built for 12 steps, the run's length without "
         "step-saving replay (max_epochs=4 of 12 optimizer steps: 48 optimizer steps over the scheduler's "
-        "`frequency`=4), and mode='steps' plans 24: the schedule would stop at 33% of its course. Build "
-        "its length from `self.trainer.estimated_stepping_batches` in configure_optimizers (it holds the 24 "
-        "planned steps), or use mode='batch'. With `frequency`=4, Lightning steps it after each batch that "
-        "steps the optimizer whose number in its epoch is a multiple of 4 (per epoch, in batches under "
-        "gradient accumulation): 4 times over the planned steps, the length to build it for."
+        "`frequency`=4), and mode='steps' plans 24: the schedule would stop at 33% of its course. With "
+        "`frequency`=4, Lightning steps it after each batch that steps the optimizer whose number in its "
+        "epoch is a multiple of 4 (per epoch, in batches under gradient accumulation): 4 times over the 24 "
+        "planned steps. Build its length as those 4 steps in configure_optimizers (not "
+        "`estimated_stepping_batches`, the 24 optimizer steps), or use mode='batch'."
     )  # 4 passes of 6 batches: one step each (24 // 4 = 6 read the run's steps as one epoch: 50%)
     assert trainer.global_step == 0 and counter.steps == 0
 
@@ -908,6 +923,114 @@ def test_a_schedule_stepped_every_other_step_built_from_the_planned_steps_ends_w
     schedule = trainer.lr_scheduler_configs[0].scheduler
     assert trainer.global_step == 24 and schedule.T_max == schedule.last_epoch == 12
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)
+
+
+class _Points(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 85  # batches of 8: 10 with drop_last, else 11
+
+    def __getitem__(self, index):
+        return torch.randn(8, generator=torch.Generator().manual_seed(index)), index % 3
+
+
+class _OneCycleOfPoints(pl.LightningModule):
+    """A OneCycleLR of ``length(estimated_stepping_batches)`` steps, stepped every ``frequency`` optimizer
+    steps."""
+
+    def __init__(self, length, frequency: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.length, self.frequency = torch.nn.Linear(8, 3), length, frequency
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        total = self.length(int(self.trainer.estimated_stepping_batches))
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        config = {"scheduler": schedule, "interval": "step", "frequency": self.frequency}
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+def _fit_every(length, frequency: int, accumulate: int, drop_last: bool, cycle: bool = False) -> pl.Trainer:
+    callbacks: list[Callback] = [HardSampleReplay(replay_fraction=0.5)]
+    if cycle:
+        callbacks.append(PulseCycle(burst=3, replay=3, maintain=2, warmup=0, anneal=0))
+    trainer = pl.Trainer(
+        max_epochs=3, accumulate_grad_batches=accumulate, callbacks=callbacks, **trainer_kwargs()
+    )
+    loader = DataLoader(_Points(), batch_size=8, drop_last=drop_last, shuffle=False)
+    trainer.fit(_OneCycleOfPoints(length, frequency), loader)
+    return trainer
+
+
+def _ran_to_its_end(trainer: pl.Trainer) -> bool:
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    return trainer.global_step == trainer.max_steps and schedule.last_epoch == schedule.total_steps
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "frequency", "length", "built", "planned"),
+    [(3, 2, lambda estimated: estimated, 6, 6), (2, 3, lambda estimated: 15 // 3, 5, 9)],
+    ids=["accumulate-3-every-2", "accumulate-2-every-3"],
+)
+def test_a_schedule_no_planned_batch_steps_is_refused_as_never_stepped_not_advised_a_length_of_0(
+    accumulate, frequency, length, built, planned
+):
+    """Review: passes of 5 batches (10 planned half) step the optimizer at batches 3 and 5 (accumulation 3),
+    neither a multiple of ``"frequency": 2``, so Lightning never steps the scheduler; the refusal said "Build
+    its length as those 0 steps", and ``OneCycleLR(total_steps=0)`` raises. Its way out is ``frequency`` 1."""
+    with pytest.raises(PulseRefusal) as refusal:
+        _fit_every(length, frequency, accumulate, drop_last=True)
+    assert str(refusal.value) == (
+        f"HardSampleReplay: the per-step OneCycleLR, stepped every `frequency`={frequency} optimizer steps, "
+        f"was built for {built} steps, and Lightning never steps it over the {planned} planned steps: it "
+        "steps it after each batch that steps the optimizer whose number in its epoch is a multiple of "
+        f"{frequency} (per epoch, in batches under gradient accumulation), and the plan's epochs have no such "
+        "batch, so the schedule would stay at its start. Step it at `frequency`=1 (its length is then "
+        f"`self.trainer.estimated_stepping_batches`, the {planned} planned steps), or use mode='batch'."
+    )
+    trainer = _fit_every(lambda estimated: estimated, 1, accumulate, drop_last=True)  # the way out
+    assert trainer.global_step == planned and _ran_to_its_end(trainer)
+
+
+def test_a_schedule_of_frequency_2_built_for_the_unplanned_run_is_refused_naming_one_length_to_build():
+    """Review: the refusal's first way out said "Build its length from `estimated_stepping_batches` (it holds
+    the 18 planned steps)" and an appended sentence said 9; built for 18, the run was not refused and ended
+    the schedule at 9 of its 18 steps with no word. It names only the 9 now, which ends with the run."""
+    with pytest.raises(PulseRefusal) as refusal:
+        _fit_every(lambda estimated: 33 // 2, 2, 1, drop_last=False)  # 3 plain epochs of 11 batches
+    assert str(refusal.value) == (
+        "HardSampleReplay: the per-step OneCycleLR was built for 16 steps, the run's length without "
+        "step-saving replay (max_epochs=3 of 11 optimizer steps: 33 optimizer steps over the scheduler's "
+        "`frequency`=2), and mode='steps' plans 18: the schedule would stop at 56% of its course. With "
+        "`frequency`=2, Lightning steps it after each batch that steps the optimizer whose number in its "
+        "epoch is a multiple of 2 (per epoch, in batches under gradient accumulation): 9 times over the 18 "
+        "planned steps. Build its length as those 9 steps in configure_optimizers (not "
+        "`estimated_stepping_batches`, the 18 optimizer steps), or use mode='batch'."
+    )
+    assert "Build its length from" not in str(refusal.value)
+    trainer = _fit_every(lambda estimated: 9, 2, 1, drop_last=False)
+    assert trainer.global_step == 18 and _ran_to_its_end(trainer)
+
+
+def test_a_onecycle_schedule_the_run_would_step_past_its_end_is_refused_at_fit_start():
+    """Review: under ``accumulate_grad_batches=2``, ``"frequency": 2`` steps the scheduler at every optimizer
+    step but an epoch's short last one: a OneCycleLR of the plain run's 18 // 2 = 9 steps is stepped 11 times
+    over the 14 planned, and the fit crashed mid-run ("Tried to step 10 times"), where the count is known at
+    fit start (the plain run overruns it too). Built for the 11 the refusal names, it ends with the run."""
+    with pytest.raises(PulseRefusal) as refusal:
+        _fit_every(lambda estimated: 18 // 2, 2, 2, drop_last=False, cycle=True)
+    assert str(refusal.value) == (
+        "HardSampleReplay: the per-step OneCycleLR was built for 9 steps, and the run steps it 11 times over "
+        "its 14 planned steps (stepped every `frequency`=2 optimizer steps: Lightning steps it after each "
+        "batch that steps the optimizer whose number in its epoch is a multiple of 2, per epoch, in batches "
+        "under gradient accumulation): it would raise past its end mid-run. Build its length as those 11 "
+        "steps in configure_optimizers, or use mode='batch'."
+    )
+    trainer = _fit_every(lambda estimated: 11, 2, 2, drop_last=False, cycle=True)
+    assert trainer.global_step == 14 and _ran_to_its_end(trainer)
 
 
 @pytest.mark.parametrize(("budget", "planned"), [(None, 60), (0.6, 75)], ids=["alone", "budget"])

@@ -216,7 +216,8 @@ STEPS_MODE_SAMPLER_LENGTH_REFUSAL = (
 )
 STEPS_MODE_ACCUMULATION_SCHEDULE_REFUSAL = (
     "HardSampleReplay: mode='steps' plans the run's optimizer steps at fit start with `accumulate_grad_batches`="
-    "{accumulate}, and a GradientAccumulationScheduler changes it during the run, so max_steps and a schedule "
+    "{accumulate} (the Trainer's; the scheduler sets {scheduled} at epoch 0), and a GradientAccumulationScheduler "
+    "changes it during the run, so max_steps and a schedule "
     "built from estimated_stepping_batches would not be the steps the run takes; use a fixed "
     "`accumulate_grad_batches`, or mode='batch'."
 )
@@ -230,8 +231,12 @@ STEPS_MODE_STEP_BOUND_REFUSAL = (
 STEPS_MODE_SCHEDULE_LENGTH_REFUSAL = (
     "HardSampleReplay: the per-step {scheduler} was built for {length} steps, the run's length without "
     "step-saving replay ({source}), and mode='steps' plans {planned}: the schedule would stop at {share:.0%} of "
-    "its course. Build its length from `self.trainer.estimated_stepping_batches` in configure_optimizers (it "
-    "holds the {planned} planned steps), or use mode='batch'."
+    "its course. {way_out}"
+)
+# the way out of STEPS_MODE_SCHEDULE_LENGTH_REFUSAL for a scheduler Lightning steps at each optimizer step
+SCHEDULE_LENGTH_WAY_OUT = (
+    "Build its length from `self.trainer.estimated_stepping_batches` in configure_optimizers (it holds the "
+    "{planned} planned steps), or use mode='batch'."
 )
 # a SequentialLR restarts each scheduler at its milestone: the planned steps are its span, not the length of
 # the scheduler whose course ends it (the decay: a held floor may follow it)
@@ -261,11 +266,38 @@ STEPS_MODE_SCHEDULE_FREQUENCY_REFUSAL = (
     "batches, so `estimated_stepping_batches // {frequency}` holds them only where each planned epoch's "
     "batches are a multiple of {frequency} and no gradients accumulate), or use mode='batch'."
 )
-# the way out of STEPS_MODE_SCHEDULE_LENGTH_REFUSAL for a scheduler of `frequency` > 1: Lightning's count
+# the way out of STEPS_MODE_SCHEDULE_LENGTH_REFUSAL for a scheduler of `frequency` > 1 that Lightning steps
+# fewer times than the planned optimizer steps: its count, in place of `estimated_stepping_batches` (a review
+# found both named, and the run built for the planned steps stopped the schedule at 50% with no word)
 SCHEDULE_FREQUENCY_WAY_OUT = (
-    " With `frequency`={frequency}, Lightning steps it after each batch that steps the optimizer whose number "
+    "With `frequency`={frequency}, Lightning steps it after each batch that steps the optimizer whose number "
     "in its epoch is a multiple of {frequency} (per epoch, in batches under gradient accumulation): {stepped} "
-    "times over the planned steps, the length to build it for."
+    "times over the {planned} planned steps. Build its length as those {stepped} steps in "
+    "configure_optimizers (not `estimated_stepping_batches`, the {planned} optimizer steps), or use "
+    "mode='batch'."
+)
+# a scheduler of `frequency` > 1 that no planned epoch steps: no length of it ends with the run (a length of 0
+# raises in OneCycleLR: a review found the refusal advised it)
+STEPS_MODE_SCHEDULE_NEVER_STEPPED_REFUSAL = (
+    "HardSampleReplay: the per-step {scheduler}, stepped every `frequency`={frequency} optimizer steps, was "
+    "built for {length} steps, and Lightning never steps it over the {planned} planned steps: it steps it "
+    "after each batch that steps the optimizer whose number in its epoch is a multiple of {frequency} (per "
+    "epoch, in batches under gradient accumulation), and the plan's epochs have no such batch, so the "
+    "schedule would stay at its start. Step it at `frequency`=1 (its length is then "
+    "`self.trainer.estimated_stepping_batches`, the {planned} planned steps), or use mode='batch'."
+)
+# a per-step scheduler that raises past its end and that the planned run steps more often than its length (the
+# plain run would too): refused at fit start rather than crashing mid-run
+STEPS_MODE_SCHEDULE_OUTRUN_REFUSAL = (
+    "HardSampleReplay: the per-step {scheduler} was built for {length} steps, and the run steps it {stepped} "
+    "times over its {planned} planned steps{how}: it would raise past its end mid-run. Build its length as "
+    "those {stepped} steps in configure_optimizers, or use mode='batch'."
+)
+# how Lightning counts the steps of a scheduler of `frequency` > 1, for STEPS_MODE_SCHEDULE_OUTRUN_REFUSAL
+SCHEDULE_FREQUENCY_COUNT = (
+    " (stepped every `frequency`={frequency} optimizer steps: Lightning steps it after each batch that steps "
+    "the optimizer whose number in its epoch is a multiple of {frequency}, per epoch, in batches under "
+    "gradient accumulation)"
 )
 # a resume whose plan is longer than the saved one: the restored scheduler keeps the saved plan's length
 STEPS_MODE_RESUMED_SCHEDULE_REFUSAL = (

@@ -1156,6 +1156,37 @@ def scheduler_outrun(
     return None
 
 
+def scheduler_overrun(
+    configs: Iterable[Any], steps: Callable[[int], int]
+) -> tuple[str, int, int, int] | None:
+    """``(name, length, steps it is given, frequency)`` of the first per-step LR scheduler (Lightning's
+    scheduler configs) that raises past its end (:func:`raises_past_end`) and that its steps so far plus
+    ``steps(frequency)`` (the steps Lightning gives it over the run's rest, as it counts them) would step
+    past its :func:`schedule_course`'s length; ``None`` where none. The plain run overruns such a length too
+    (``"frequency": 2`` under ``accumulate_grad_batches=2`` steps it at every optimizer step): the fit
+    crashed mid-run ("Tried to step 13 times") where the count was known at fit start (a review)."""
+    for config in configs:
+        course = schedule_course(config.scheduler)
+        if config.interval != "step" or course is None or not raises_past_end(config.scheduler):
+            continue
+        every, (length, left) = max(1, int(config.frequency or 1)), course
+        if (given := steps(every)) > left:
+            return type(config.scheduler).__name__, length, length - left + given, every
+    return None
+
+
+def raises_past_end(scheduler: Any) -> bool:
+    """Whether stepping an LR scheduler past its course's end raises (``OneCycleLR``; a ``ChainedScheduler``
+    holding one; a ``SequentialLR`` whose last scheduler does): others go on past it (a cosine turns back
+    up, a linear decay holds), as the user may mean."""
+    if type(scheduler).__name__ == "OneCycleLR":
+        return True
+    inner = getattr(scheduler, "_schedulers", None) or ()
+    if _milestones(scheduler) is not None:
+        return bool(inner) and raises_past_end(inner[-1])
+    return any(raises_past_end(child) for child in inner)
+
+
 def scheduler_past_end(
     configs: Iterable[Any],
     step: int,
