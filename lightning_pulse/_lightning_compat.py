@@ -337,7 +337,9 @@ def after_plateau_updates(
         def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
             original(interval, update_plateau_schedulers=update_plateau_schedulers)
             this_batch = state["active"] and loop.batch_progress.total.processed == batch
-            if not this_batch or (interval == "epoch" or not per_epoch) and update_plateau_schedulers:
+            # the batch's last plateau update: its step one, or the epoch's where a plateau steps per epoch
+            last_update = update_plateau_schedulers and (interval == "epoch" or not per_epoch)
+            if not this_batch or last_update:
                 remove()
             if this_batch and update_plateau_schedulers:
                 hook(plateaus)
@@ -488,6 +490,14 @@ def private_api_problems() -> list[str]:
             problems.append(f"_TrainingEpochLoop.{name}")
     if not callable(getattr(data_connector, "_parse_num_batches", None)):
         problems.append("lightning.pytorch.trainer.connectors.data_connector._parse_num_batches")
+    from lightning.pytorch.loops import utilities as loop_utilities
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    if not callable(getattr(loop_utilities, "_is_max_limit_reached", None)):  # fit_ends_after_this_step
+        problems.append("lightning.pytorch.loops.utilities._is_max_limit_reached")
+    if not callable(getattr(_CheckpointConnector, "dump_checkpoint", None)):  # GreenWindow's suspend
+        problems.append("_CheckpointConnector.dump_checkpoint")
+    problems += _tuner_checkpoint_problems()
     if "_model_contains_batch_norm" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
         problems.append("StochasticWeightAveraging._model_contains_batch_norm")
     if "_average_model" not in vars(StochasticWeightAveraging(swa_lrs=0.1)):
@@ -785,6 +795,20 @@ def loaded_checkpoint(trainer: pl.Trainer) -> dict[str, Any] | None:
 #: how Lightning's finders name the checkpoint they save before their trials (tuner/batch_size_scaling.py,
 #: tuner/lr_finder.py) and restore after them, in ``default_root_dir``
 _TUNER_CHECKPOINT_PREFIXES = (".scale_batch_size_", ".lr_find_")
+
+
+def _tuner_checkpoint_problems() -> list[str]:
+    """What :func:`restoring_tuner_checkpoint` relies on that the installed Lightning no longer has: the
+    finders' checkpoint names (a rename would turn the refusal of a reused instance off without an error)."""
+    import inspect
+
+    from lightning.pytorch.tuner import batch_size_scaling, lr_finder
+
+    problems = []
+    for module, prefix in zip((batch_size_scaling, lr_finder), _TUNER_CHECKPOINT_PREFIXES):
+        if f'"{prefix}' not in inspect.getsource(module) and f"'{prefix}" not in inspect.getsource(module):
+            problems.append(f"{module.__name__} naming its checkpoint {prefix}<uuid>.ckpt")
+    return problems
 
 
 def restoring_tuner_checkpoint(trainer: pl.Trainer) -> bool:

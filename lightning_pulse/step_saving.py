@@ -482,6 +482,8 @@ class StepSavingLoader:
         self._sampler.start_pass_at(self.stream.batches)
         if self._repeats and self._selector is not None:  # before the pass chooses, and trains, any window
             self._selector.table.begin_pass(self.stream.pass_step, self.stream.given_pass_scores)
+        elif self._selector is not None:  # a loader rebuilt with a sampler drawing each sample once
+            self._selector.table.pass_start = None  # no earlier pass's kept scores read in this one
         given, of_ranks, note = read_ahead_of_rank(
             self.stream.given_cuts_of_ranks, self.stream.given_cuts, trainer.global_rank, trainer.world_size
         )
@@ -752,8 +754,8 @@ class StepSavingLoader:
         Plan the rest of the run again from the step it starts at (:meth:`StepSavingStream.cut_pass`, as a
         resume from a stop inside an epoch plans it), cap ``max_steps`` there and hand the plan to the
         PulseCycle, whose clock it was played on. Where the plan solved again would outrun a per-step LR
-        scheduler, as Lightning counts its steps (see :func:`~lightning_pulse.core.step_plan.scheduler_end`), it keeps the old total, and
-        warm-up and anneal where they were placed.
+        scheduler, as Lightning counts its steps (see :func:`~lightning_pulse.core.step_plan.scheduler_end`),
+        it keeps the old total, and warm-up and anneal where they were placed.
 
         Raises:
             PulseRefusal: where even that plan would step a per-step LR scheduler past its end.

@@ -115,11 +115,13 @@ class _AddDistillationGradient(torch.autograd.Function):
         positions = student.numel() // student.shape[-1]
         p_student = torch.softmax(student.float() / temperature, dim=-1)
         p_teacher = torch.softmax(teacher.float() / temperature, dim=-1)
-        # d/ds [T^2 * mean_n KL(p_t || softmax(s/T))] = T * (p_s - p_t) / N
-        extra = ctx.weight * temperature * (p_student - p_teacher) / positions
+        # d/ds [T^2 * mean_n KL(p_t || softmax(s/T))] = T * (p_s - p_t) / N, its factors in one coefficient: one
+        # vocabulary-sized multiply per backward
+        coefficient: float | torch.Tensor = ctx.weight * temperature / positions
         # grad_output is the scaled loss's: read at backward, after the scaler's scale() made its tensor
         if ctx.loss_scale is not None and (scale := ctx.loss_scale()) is not None:
-            extra = extra * scale
+            coefficient = scale * coefficient
+        extra = (p_student - p_teacher) * coefficient
         return grad_output + extra.to(grad_output.dtype), None, None, None, None
 
 

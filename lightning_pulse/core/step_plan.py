@@ -871,8 +871,8 @@ class StepSavingStream:
         **run: int | bool | None,
     ) -> tuple[StepPlan, bool]:
         """Plan the rest of the run again at the end of an epoch that Lightning ended before its planned pass
-        did (the module's ``on_train_batch_start`` returned -1, or the sampler ran out): the next pass starts at optimizer ``step``,
-        not at the step the plan gave it, so its batches, planned for other phases, would have trained in
+        did (the module's ``on_train_batch_start`` returned -1, or the sampler ran out): the next pass starts at
+        optimizer ``step``, not at the step the plan gave it, so its batches, planned for other phases, would have trained in
         these (replay windows in a burst, plain batches in the replay phase). ``latest_untrained``: the pass's
         latest batch was drawn and did not train (the one the hook returned -1 for; else the sampler ran out,
         which :attr:`StepPlan.sampler_cuts` counts). ``run``: as

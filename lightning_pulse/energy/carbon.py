@@ -221,6 +221,8 @@ def read_series_text(path: Path, field: str) -> str:
 
     Raises:
         OSError: the file cannot be read.
+        ValueError: the file is not UTF-8 text (nor UTF-16 or UTF-32 with its mark); the message starts with
+            ``field``, and the callers put the callback's name before it.
     """
     data = path.read_bytes()
     for bom, name, codec in _BOMS:
