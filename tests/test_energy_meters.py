@@ -127,6 +127,28 @@ def test_rapl_counter_reset_counts_on_from_the_new_value_and_a_real_wrap_stays_m
     assert [(event.kind, event.failed) for event in chain.events] == [("corrected", "rapl")] * 2
 
 
+def test_rapl_counter_jumps_no_reading_explains_count_nothing_labelled_estimated(tmp_path):
+    # a review of the reset rule: a counter that went back by 1 uJ (jitter), or that a VM move set to another
+    # host's value (lower or higher), counted that host's whole counter (50-100 kJ) as this interval's energy
+    max_range = 262143328850  # Intel's max_energy_range_uj
+    root = make_rapl_tree(tmp_path, {0: 100_000_100_000}, max_range=max_range)
+    warnings_seen: list[str] = []
+    chain = MeterChain("cpu", [("rapl", lambda: RaplMeter(root))], warn=warnings_seen.append)
+    chain.start(0.0)
+    set_energy(root, 0, 100_000_099_999)  # back by 1 uJ
+    assert chain.read(1.0) == (0.0, ESTIMATED)
+    set_energy(root, 0, 100_100_099_999)  # +100 J in 1 s: measured again
+    assert chain.read(2.0) == (pytest.approx(100.0), MEASURED)
+    set_energy(root, 0, 50_000_000_000)  # moved to a host whose counter reads 50 kJ
+    assert chain.read(3.0) == (pytest.approx(100.0), ESTIMATED)
+    set_energy(root, 0, 250_000_000_000)  # and to one whose counter reads 250 kJ: a jump up, not 200 kJ
+    assert chain.read(4.0) == (pytest.approx(100.0), ESTIMATED)
+    set_energy(root, 0, 250_000_100_000)
+    assert chain.read(5.0) == (pytest.approx(100.1), MEASURED)
+    assert len(warnings_seen) == 1 and "a jump no reading explains" in warnings_seen[0]
+    assert [(event.kind, event.failed) for event in chain.events] == [("corrected", "rapl")] * 3
+
+
 def test_rapl_permission_denied_is_a_meter_error(public_tmp):
     root = make_rapl_tree(public_tmp / "powercap", {0: 5_000_000})
     for path in root.rglob("*"):

@@ -54,7 +54,7 @@ def counter_delta(previous_uj: int, current_uj: int, max_range_uj: int) -> int:
     """Microjoules between two readings of a counter that wraps to 0 after ``max_range_uj``.
 
     A reading below the previous one means the counter wrapped once (unless it was reset, see
-    :func:`is_counter_reset`); reading at least once per wrap period
+    :func:`plausible_delta`); reading at least once per wrap period
     (about an hour at 60 W for a 2^32 uJ range, minutes for a busy server) keeps this exact.
     """
     if current_uj >= previous_uj:
@@ -62,12 +62,19 @@ def counter_delta(previous_uj: int, current_uj: int, max_range_uj: int) -> int:
     return current_uj + max_range_uj - previous_uj
 
 
-def is_counter_reset(previous_uj: int, current_uj: int, max_range_uj: int, seconds: float) -> bool:
-    """Whether a reading below the previous one is a reset (the counter restarted from 0), not a wrap: read
-    as a wrap it would mean more than :data:`MAX_PLAUSIBLE_PACKAGE_WATTS` over the ``seconds`` since."""
-    if current_uj >= previous_uj:
-        return False
-    return counter_delta(previous_uj, current_uj, max_range_uj) > MAX_PLAUSIBLE_PACKAGE_WATTS * 1e6 * seconds
+def plausible_delta(previous_uj: int, current_uj: int, max_range_uj: int, seconds: float) -> int | None:
+    """Microjoules between two readings, or ``None`` where no reading of the counter explains them: read as
+    a step forward (or one wrap), they would mean more than :data:`MAX_PLAUSIBLE_PACKAGE_WATTS` over the
+    ``seconds`` since. A counter reset (suspend/resume, CPU hotplug) restarts from 0: its new value is the
+    energy since, where that value is itself plausible; a jump (a VM moved to a host whose counter reads
+    otherwise, a counter that went back a few microjoules) explains nothing."""
+    bound = MAX_PLAUSIBLE_PACKAGE_WATTS * 1e6 * seconds
+    delta = counter_delta(previous_uj, current_uj, max_range_uj)
+    if delta <= bound:
+        return delta
+    if current_uj < previous_uj and current_uj <= bound:  # restarted from 0 since the last reading
+        return current_uj
+    return None
 
 
 def find_package_zones(root: str | Path = DEFAULT_POWERCAP_ROOT) -> list[Path]:
@@ -135,18 +142,19 @@ class RaplMeter(EnergyMeter):
             current = _read_int(zone.energy_file())
             if current > zone.max_range_uj:
                 raise MeterError(f"{zone.energy_file()} reads {current}, above its range {zone.max_range_uj}")
-            if is_counter_reset(zone.last_uj, current, zone.max_range_uj, seconds):
-                # what ran between the last reading and the reset is unknown; the new value is since the reset
-                zone.total_uj += current
+            delta = plausible_delta(zone.last_uj, current, zone.max_range_uj, seconds)
+            if delta is None or delta != counter_delta(zone.last_uj, current, zone.max_range_uj):
+                # a reset counts from its new value; a jump counts nothing for the interval (unknown)
                 wrap_w = counter_delta(zone.last_uj, current, zone.max_range_uj) / 1e6 / max(seconds, 1e-9)
+                what = "a reset (suspend/resume, CPU hotplug): counting on from the new value"
+                if delta is None:
+                    what = "a jump no reading explains (a VM moved to another host?): nothing counted for it"
                 self.notice(
-                    f"the counter of {zone.name} went back from {zone.last_uj} uJ to {current} uJ in "
-                    f"{seconds:.3g} s, a wrap would mean {wrap_w:.3g} W (above {MAX_PLAUSIBLE_PACKAGE_WATTS:g} W "
-                    "a package): a reset (suspend/resume, CPU hotplug, VM migration); counting on from the "
-                    "new value"
+                    f"the counter of {zone.name} went from {zone.last_uj} uJ to {current} uJ in "
+                    f"{seconds:.3g} s, which as a step or a wrap would mean {wrap_w:.3g} W (above "
+                    f"{MAX_PLAUSIBLE_PACKAGE_WATTS:g} W a package): {what}"
                 )
-            else:
-                zone.total_uj += counter_delta(zone.last_uj, current, zone.max_range_uj)
+            zone.total_uj += delta or 0
             zone.last_uj = current
         self._last_time = now
         return sum(zone.total_uj for zone in self.zones) / 1e6
