@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_pulse.nn import composite_gain, doubly_stochastic_error, sinkhorn_knopp
+from lightning_pulse.nn.sinkhorn import _SinkhornKnopp
 
 
 def _logits(*shape: int, std: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -124,6 +125,58 @@ def test_forward_and_gradient_equal_plain_autograd_through_the_unrolled_iteratio
     (expected,) = torch.autograd.grad(reference, logits, upstream)
     (actual,) = torch.autograd.grad(result, logits, upstream)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_logits_spanning_more_than_60_are_iterated_as_given_not_floored():
+    # a floor at max-60 made the bottom row uniform: [[0.5, 0.5], [0.5, 0.5]]
+    result = sinkhorn_knopp(torch.tensor([[0.0, 0.0], [-70.0, -140.0]]), iters=20)
+    torch.testing.assert_close(result, torch.tensor([[0.025, 0.975], [1.0, 0.0]]), atol=1e-6, rtol=1e-5)
+    logits = torch.rand(2000, 4, 4, generator=torch.Generator().manual_seed(0)) * 80
+    exact = _sinkhorn_by_plain_autograd(logits.double(), 20)
+    assert float((sinkhorn_knopp(logits, 20).double() - exact).abs().max()) < 1e-5  # the floor: 0.98
+
+
+def test_a_row_whose_exponentials_all_underflow_in_fp32_gives_the_exact_finite_result():
+    # exp(-200) is 0 in fp32: a plain fp32 loop divides 0 by 0 in its first row normalisation
+    torch.testing.assert_close(
+        sinkhorn_knopp(torch.tensor([[0.0, 0.0], [-200.0, -200.0]]), 20), torch.full((2, 2), 0.5)
+    )
+    logits = _logits(500, 4, 4, std=2.0, seed=10)
+    logits[:, 1] -= 150.0  # one row far below the others, differences within it kept
+    logits[:250, :, 2] -= 300.0  # and, in half the matrices, one column far below that
+    result = sinkhorn_knopp(logits, 20)
+    assert torch.isfinite(result).all()
+    torch.testing.assert_close(
+        result.double(), _sinkhorn_by_plain_autograd(logits.double(), 20), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("iters", [1, 3, 20])
+def test_backward_passes_float64_gradcheck_for_logits_spread_over_0_to_200(iters):
+    logits = torch.rand(4, 4, 6, generator=torch.Generator().manual_seed(iters), dtype=torch.float64) * 200
+    assert torch.autograd.gradcheck(lambda x: _SinkhornKnopp.apply(x, iters), (logits.requires_grad_(),))
+
+
+def test_gradient_matches_the_exact_loop_in_float64_for_logits_spread_over_0_to_200():
+    logits = (torch.rand(1000, 4, 4, generator=torch.Generator().manual_seed(11)) * 200).requires_grad_()
+    upstream = _logits(1000, 4, 4, seed=12)
+    sinkhorn_knopp(logits, 20).backward(upstream)
+    reference = logits.detach().double().requires_grad_()
+    _sinkhorn_by_plain_autograd(reference, 20).backward(upstream.double())
+    assert float(reference.grad.abs().max()) > 0.1
+    torch.testing.assert_close(logits.grad.double(), reference.grad, atol=1e-5, rtol=0)
+
+
+def test_a_minus_inf_logit_is_an_exact_zero_and_a_minus_inf_row_a_visible_nan():
+    minus_inf = float("-inf")
+    logits = torch.tensor([[[0.0, 1.0], [minus_inf, 2.0]], [[0.0, 1.0], [minus_inf, minus_inf]]])
+    logits.requires_grad_()
+    out = sinkhorn_knopp(logits, 20)
+    assert out[0, 1, 0] == 0 and torch.isfinite(out[0]).all()
+    torch.testing.assert_close(out[0].sum(-1), torch.ones(2))
+    assert torch.isnan(out[1]).all()  # no doubly stochastic scaling of a zero row exists
+    out[0].sum().backward()
+    assert torch.isfinite(logits.grad[0]).all()
 
 
 def test_a_nan_logit_poisons_only_its_own_matrix():

@@ -14,10 +14,6 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-# exp() of a logit this far below the largest one in its matrix is still a normal fp32 number (~1e-26), so
-# no row or column sum can underflow to zero and divide by zero, however far apart the logits drift.
-_MIN_SHIFTED_LOGIT = -60.0
-
 
 class _SinkhornKnopp(torch.autograd.Function):
     """Sinkhorn-Knopp on ``(n, n, N)`` fp32 logits, with a hand-written backward through every iteration.
@@ -28,23 +24,29 @@ class _SinkhornKnopp(torch.autograd.Function):
     Backward: for one normalisation ``y = m / s`` with ``s = m.sum(d)``, the exact derivative is
     ``dm = (dy - (dy * y).sum(d)) / s``, four ops instead of the seven autograd records for a broadcast
     division (with the reduction of the broadcast gradient). Walking these back over the stored iterates is
-    reverse-mode differentiation of the unrolled loop, the same gradient plain autograd would give (a test
-    checks it), not an implicit fixed-point gradient. ``torch.compile`` traces both directions (a test checks
-    value and gradient against eager).
+    reverse-mode differentiation of the unrolled loop (its first round, computed as softmaxes, takes their
+    derivatives, which divide by no sum), the same gradient plain autograd would give (a test checks it), not
+    an implicit fixed-point gradient. ``torch.compile`` traces both directions (a test checks value and
+    gradient against eager).
     """
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, iters: int) -> Tensor:
-        # Normalisation removes any per-matrix scale, so shifting by the max changes nothing but keeps exp()
-        # finite. The floor's own (zero) gradient is ignored in backward: exp(-60) bounds the difference.
-        shifted = logits - logits.amax(dim=(0, 1), keepdim=True)
-        matrix = shifted.clamp_min(_MIN_SHIFTED_LOGIT).exp()
-        saved = [matrix]
-        for _ in range(iters):
-            for dim in (0, 1):  # columns sum to 1, then rows sum to 1
-                sums = matrix.sum(dim=dim, keepdim=True)
-                matrix = matrix / sums
-                saved += [sums, matrix]
+        # The first round runs on the logits as given, so the result is the exact iteration however far
+        # apart they are (no floor): the column normalisation of exp(logits) is a softmax over each column,
+        # the row normalisation after it a softmax over each row of its log. Plain exp() then sums would turn
+        # a row lying ~90 or more below its columns' maxima into zeros in fp32, and 0/0. After this round rows
+        # sum to 1 and columns to within [1/n, n], and each later normalisation keeps every sum within
+        # [1/n, n]: the plain loop below cannot underflow. A row or column of -inf (no scaling exists) and
+        # any NaN or +inf give NaN.
+        log_columns = torch.log_softmax(logits, dim=0)
+        columns = log_columns.exp()
+        matrix = torch.softmax(log_columns, dim=1)
+        saved = [columns, matrix]
+        for step in range(2 * (iters - 1)):
+            sums = matrix.sum(dim=step % 2, keepdim=True)  # columns sum to 1, then rows sum to 1
+            matrix = matrix / sums
+            saved += [sums, matrix]
         ctx.save_for_backward(*saved)
         return matrix
 
@@ -53,18 +55,22 @@ class _SinkhornKnopp(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         saved = ctx.saved_tensors
         grad = grad.contiguous()
-        for step in range((len(saved) - 1) // 2 - 1, -1, -1):
-            sums, matrix = saved[2 * step + 1], saved[2 * step + 2]
+        for step in range((len(saved) - 2) // 2 - 1, -1, -1):
+            sums, matrix = saved[2 * step + 2], saved[2 * step + 3]
             dim = step % 2  # even steps normalised columns (sum over dim 0), odd steps rows (dim 1)
             grad = (grad - (grad * matrix).sum(dim=dim, keepdim=True)).div_(sums)
-        return grad * saved[0], None
+        columns, matrix = saved[0], saved[1]
+        grad = (grad - (grad * matrix).sum(dim=1, keepdim=True)).mul_(matrix)  # softmax over rows
+        return grad - columns * grad.sum(dim=0, keepdim=True), None  # log_softmax over columns
 
 
 def sinkhorn_knopp(logits: Tensor, iters: int = 20) -> Tensor:
     """Project square logits onto the doubly stochastic matrices by Sinkhorn-Knopp iteration.
 
     ``M = exp(logits)``, then ``iters`` rounds of "divide every column by its sum, then every row by its sum"
-    (mHC Eq. 9). After the last round the rows sum to 1 up to rounding; the columns approach 1 as ``iters``
+    (mHC Eq. 9), computed exactly for logits of any spread (the first round as softmaxes, so a row whose
+    ``exp`` underflows in fp32 still normalises; a ``-inf`` logit is an exact zero, a row or column of them
+    NaN). After the last round the rows sum to 1 up to rounding; the columns approach 1 as ``iters``
     grows (at 20 iterations, typically within 1e-6 and at worst about 1e-3 for logits of standard deviation 1;
     up to about 7e-2 for std 4).
 
