@@ -28,10 +28,17 @@ def test_powersgds_memories_are_dropped_and_its_settings_kept():
     assert (state.rng.get_state()[1] == draws).all()  # the ranks' shared generator is not touched
 
 
-def test_a_new_wrapper_restarts_powersgds_step_counter():
-    state = _powersgd_state_after_steps()
+def test_a_new_wrapper_gives_powersgd_two_uncompressed_steps_not_its_whole_start_again():
+    state = _powersgd_state_after_steps()  # start_powerSGD_iter=3, at step 7
     assert forget_compression_memory(state, new_buckets=True)
-    assert state.iter == 0 and state.error_dict == {}  # all-reduced uncompressed until start_powerSGD_iter
+    assert state.iter == 1 and state.error_dict == {}  # all-reduced uncompressed for two steps
+    # a review: back to 0 turned compression off for 1,000 steps (torch's default start) at every cut
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1000)
+    state.iter, state.error_dict[0] = 1500, torch.zeros(3)
+    assert forget_compression_memory(state, new_buckets=True) and state.iter == 998
+    state.iter = 5  # not started compressing yet: left where it is
+    state.error_dict[0] = torch.zeros(3)
+    assert forget_compression_memory(state, new_buckets=True) and state.iter == 5
 
 
 def test_a_state_without_such_memories_is_left_as_it_is():

@@ -25,13 +25,16 @@ _MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")  # PowerSGDState's,
 def forget_compression_memory(state: Any, new_buckets: bool = False) -> bool:
     """Clear a PowerSGD-like hook ``state``'s per-bucket memories. Returns whether ``state`` has any.
 
-    ``new_buckets``: the DDP wrapper was rebuilt; its step counter goes back to 0 too, so that the hook
-    all-reduces uncompressed for its ``start_powerSGD_iter`` steps again, as torch starts it on a new wrapper
-    (DDP rebuilds its buckets after its first backward: a memory taken before that may not fit them).
+    ``new_buckets``: the DDP wrapper was rebuilt; its step counter goes back to at most two steps before
+    ``start_powerSGD_iter``, so that the hook all-reduces uncompressed for two steps, the least torch asks of a
+    new wrapper (DDP rebuilds its buckets after its first backward: a memory taken before that may not fit
+    them). Not back to 0: torch's default start is step 1,000, and every cut would turn compression off that
+    long (for the whole pruning window).
     """
     memories = [memory for name in _MEMORIES if isinstance(memory := getattr(state, name, None), dict)]
     for memory in memories:
         memory.clear()
-    if memories and new_buckets and isinstance(getattr(state, "iter", None), int):
-        state.iter = 0
+    start = getattr(state, "start_powerSGD_iter", None)
+    if memories and new_buckets and isinstance(getattr(state, "iter", None), int) and isinstance(start, int):
+        state.iter = min(state.iter, max(start - 2, 0))
     return bool(memories)
