@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _disable_module_memory_sharing,
@@ -213,3 +213,22 @@ class TwoGlooProcessesRecordingErrors(TwoGlooProcesses):
 
     def _configure_launcher(self) -> None:
         self._launcher = _ErrorRecordingLauncher(self, *self.errors_to)
+
+
+class StepTimer(Timer):
+    """Lightning's ``Timer`` (``max_time``) counting one "second" per step, rank 1's started ``skew`` seconds
+    after rank 0's, as a later ``on_train_start`` of that rank: rank 0's Timer ends the fit (its
+    ``should_stop`` is broadcast), while rank 1's ``time_remaining()`` still says there is time left."""
+
+    def __init__(self, seconds: int, skew: float) -> None:
+        super().__init__(duration={"seconds": seconds})
+        self.skew, self._trainer = skew, None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._trainer = trainer
+
+    def time_elapsed(self, stage: str = "train") -> float:
+        if self._trainer is None:
+            return 0.0
+        return float(self._trainer.global_step) - (self.skew if self._trainer.global_rank == 1 else 0.0)

@@ -467,6 +467,11 @@ def test_a_suspend_at_a_step_where_the_fit_ends_anyway_is_no_suspend(mnist1d_sma
     # resumed fit may suspend again at its start, before any step: the window, forecast clean, was dirty)
     assert ends.count(uninterrupted) == 1
     assert "nothing to suspend" in caplog.text
+    # review (pass 43): nor a trace of the dropped suspend: its decision in the report, waiting, its log line
+    assert all(decision["run"] for decision in window.report["decisions"][-1:])  # the latest, if any
+    assert not window._waiting
+    assert window.report["summary"]["decisions"] == len(window.report["decisions"])
+    assert len(ends) > 1 or "waits (suspend)" not in caplog.text
     record = json.loads((tmp_path / "ckpt" / "green_window.json").read_text())
     assert record["status"] == "finished" and record["global_step"] == uninterrupted
     assert run_wait_for_window([str(tmp_path / "ckpt")], clock=SimulatedClock(START)) == WINDOW_FINISHED_EXIT
@@ -485,6 +490,36 @@ def test_a_stop_the_modules_own_batch_end_asks_at_a_suspend_is_kept(mnist1d_smal
     assert ends[-1] == uninterrupted and window.report["status"] == "complete"
     if min_steps is None:  # the stop takes effect at once: nothing to suspend
         assert ends == [1] and window.suspended is None
+
+
+def test_a_suspend_the_fit_raised_before_writing_is_no_suspend_in_the_green_windows_state(
+    mnist1d_small, tmp_path
+):
+    # review (pass 43): the module's own on_train_batch_end raised at the suspend's step, after its states
+    # were taken: nothing was written, but GreenWindow's state kept the suspend (`suspended`, the resume file,
+    # waiting, the decision), for a checkpoint saved later by the caller or a report
+    from examples.mnist1d import MNIST1DClassifier
+
+    class Raising(MNIST1DClassifier):
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            if self.trainer.global_step == 1:  # 06:00 on the June series: the suspend's step
+                raise ValueError("the module's own hook")
+
+    clock, checkpoints = SimulatedClock("2020-06-15 06:00:00"), tmp_path / "ckpt"
+    window = GreenWindow(
+        signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock, options={"watts": 1.0}
+    )
+    callbacks = [window, ModelCheckpoint(dirpath=checkpoints, save_top_k=0)]
+    trainer = fit(callbacks, clock, steps=144, enable_checkpointing=True, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="the module's own hook"):
+        trainer.fit(Raising(arch="mlp"), mnist1d_small(arch="mlp")[1])
+    assert (
+        not (checkpoints / SUSPEND_CHECKPOINT).exists() and not (checkpoints / "green_window.json").exists()
+    )
+    state = window.state_dict()
+    assert state["suspended"] is None and state["resume_files"] == [] and not state["waiting"]
+    decisions = window.schedule.decisions
+    assert all(decision["run"] for decision in decisions) and window.schedule.decision_count == len(decisions)
 
 
 def test_the_resume_command_resumes_where_the_logger_starts_a_new_version_folder(mnist1d_small, tmp_path):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -119,14 +123,15 @@ def test_a_live_signal_whose_first_reading_fails_is_refused_on_every_rank(mnist1
 
 class _StopsAtStep10(MNIST1DClassifier):
     """Asks the fit to stop in its own ``on_train_batch_end`` at step 10 (Lightning runs it after every
-    callback's), and writes each rank's last step and first weights at the end of training."""
+    callback's; not with ``stop=False``), and writes each rank's last step and first weights at the end of
+    training."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, stop: bool = True) -> None:
         super().__init__(arch="mlp")
-        self.directory = directory
+        self.directory, self.stop = directory, stop
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        if self.trainer.global_step == 10:
+        if self.stop and self.trainer.global_step == 10:
             self.trainer.should_stop = True
 
     def on_train_end(self) -> None:
@@ -154,3 +159,52 @@ def test_ranks_end_the_run_without_a_suspend_where_the_modules_own_stop_ends_it(
     assert ends[0][0] == 10 and ends[1] == ends[0]
     assert not (tmp_path / SUSPEND_CHECKPOINT).exists()
     assert json.loads((tmp_path / "green_window.json").read_text())["status"] == "finished"
+
+
+def fit_stopped_by_a_skewed_timer(directory: str) -> None:
+    """A 2-rank fit suspended (14:00, 600 s a step: rank 0 decides to wait at step 10) at the step where its
+    ``max_time`` ends it on rank 0's Timer; rank 1's Timer started half a second later. Run in a subprocess
+    by the test below: it hung in the suspend checkpoint's barrier."""
+    from examples.mnist1d import MNIST1DDataModule
+    from tests.ddp_workers import StepTimer
+
+    clock = SimulatedClock("2020-06-15 14:00:00")
+    green = GreenWindow(
+        signal=DE_JUNE, when_dirty="suspend", max_delay=1.0, clock=clock, options={"watts": 1.0}
+    )
+    kwargs = trainer_kwargs(
+        devices=2, strategy=TwoGlooProcesses(), enable_checkpointing=True, default_root_dir=directory
+    )
+    callbacks = [
+        SimulatedStepTime(clock, 600.0),
+        green,
+        StepTimer(10, skew=0.5),
+        ModelCheckpoint(dirpath=directory, save_top_k=0),
+    ]
+    trainer = pl.Trainer(callbacks=callbacks, max_steps=40, limit_val_batches=0, **kwargs)
+    data = MNIST1DDataModule(num_samples=1000, batch_size=64)
+    trainer.fit(_StopsAtStep10(directory, stop=False), data)
+
+
+@pytest.mark.ddp
+def test_ranks_suspend_together_where_a_timer_started_later_on_one_rank_says_time_is_left(tmp_path):
+    # review (pass 43): whether the fit ends at the suspend's step anyway (nothing to suspend) was each
+    # rank's own finding: at a max_time stop, rank 0 ("stopped": work left) saved and waited in the save's
+    # barrier, rank 1 (its Timer 0.5 s behind: "complete") skipped it; the fit hung. Rank 0's word now
+    root = Path(__file__).resolve().parents[1]
+    call = f"from tests import test_green_window_ddp as t; t.fit_stopped_by_a_skewed_timer({str(tmp_path)!r})"
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    command, env = [sys.executable, "-c", call], {**os.environ, "PYTHONPATH": path}
+    with subprocess.Popen(
+        command, cwd=root, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as ran:
+        try:
+            _, stderr = ran.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(ran.pid, signal.SIGKILL)  # the ranks and the fork server with it
+            pytest.fail("the two ranks hung at the suspend's step (a Timer's stop)")
+    assert ran.returncode == 0, stderr[-3000:]
+    ends = [json.loads((tmp_path / f"end{rank}.json").read_text()) for rank in (0, 1)]
+    assert ends[0][0] == 10 and ends[1] == ends[0]
+    assert torch.load(tmp_path / SUSPEND_CHECKPOINT, weights_only=False)["global_step"] == 10
+    assert json.loads((tmp_path / "green_window.json").read_text())["status"] == "suspended"

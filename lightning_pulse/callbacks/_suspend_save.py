@@ -29,6 +29,7 @@ from lightning_pulse.core.green_window import (
     NOTHING_TO_SUSPEND,
     RESUME_FILE,
     Decision,
+    decision_line,
     finished_notice,
     mark_resume_files_finished,
     write_resume_notice,
@@ -44,7 +45,8 @@ class SuspendSave(Callback):
     """
 
     def __init__(self) -> None:
-        self._due: tuple[Any, Decision, float, float, Any, list[str], list[str]] | None = None
+        # (owner, decision, now, resume_at, energy, earlier files, undo: what _drop puts back)
+        self._due: tuple[Any, Decision, float, float, Any, list[str], tuple[Any, ...]] | None = None
         self._lifted: tuple[int | None, int | None] | None = None  # the Trainer's minimums, lifted to stop
 
     def attach(self, trainer: pl.Trainer) -> None:
@@ -52,26 +54,43 @@ class SuspendSave(Callback):
         compat.append_callback_for_fit(trainer, self)
 
     def detach(self, trainer: pl.Trainer) -> None:
-        """Out of ``trainer.callbacks`` again; a suspend still due is dropped (the fit has ended). The
-        Trainer's ``min_epochs``/``min_steps`` a suspend lifted are put back for a later fit of it."""
-        self._due = None
+        """Out of ``trainer.callbacks`` again; a suspend still due is dropped (the fit raised before it was
+        written: the GreenWindow's state is put back, :meth:`_drop`). The Trainer's ``min_epochs``/``min_steps``
+        a suspend lifted are put back for a later fit of it."""
+        if self._due is not None:
+            self._drop(self._due)
+            self._due = None
         if self._lifted is not None:
             compat.restore_loop_minimums(trainer, self._lifted)
             self._lifted = None
         compat.remove_callback(trainer, self)
 
     def due(
-        self, trainer: pl.Trainer, owner: Any, decision: Decision, now: float, resume_at: float, energy: Any
+        self,
+        trainer: pl.Trainer,
+        owner: Any,
+        decision: Decision,
+        suspension: tuple[dict[str, Any], float, float],
+        told: bool,
+        energy: Any,
     ) -> None:
-        """Suspend once every callback's part of the hook now running is done (``now``, ``resume_at``: the
-        clock's times for the resume file; ``energy``: the EnergyLogger whose later energy is carried).
-        ``owner``, the GreenWindow: its ``resume_files`` (in its state, so in the checkpoint) get this
-        suspend's now, last; the earlier ones, in other folders, get its record too. Its ``suspended``, the
-        suspend's record, gets ``stop_asked`` where a stop was asked by the save (:meth:`ask_stop_again`).
-        Both are put back where the fit ends at this step anyway (nothing to suspend: :meth:`_finish`)."""
+        """Suspend once every callback's part of the hook now running is done (``suspension``: the record
+        for the GreenWindow's state and the clock's now and resume time for the resume file; ``told``: the
+        decision switches the run to waiting, its line is logged with the save; ``energy``: the EnergyLogger
+        whose later energy is carried). ``owner``, the GreenWindow (``_waiting`` already set): its
+        ``suspended`` gets the record, with ``stop_asked`` where a stop was asked by the save
+        (:meth:`ask_stop_again`); its ``resume_files`` (in its state, so in the checkpoint) get this suspend's
+        now, last; the earlier ones, in other folders, get its record too. Where the suspend is dropped (the
+        fit ends at this step anyway, or raises first) its state, the decision in its report and the log
+        are as if it had never been decided (:meth:`_drop`)."""
+        (record, now, resume_at), schedule = suspension, owner.schedule
         file, before = str(_folder(trainer) / RESUME_FILE), list(owner.resume_files)
+        owner.suspended = record
         owner.resume_files[:] = [*(earlier := [other for other in before if other != file]), file]
-        self._due = (owner, decision, now, resume_at, energy, earlier, before)
+        line = decision_line(decision, "suspend", owner.run_clock.time()) if told else None
+        # its record in the report: rank 0 decided (the latest); the other ranks have none
+        decided = schedule.decisions[-1] if trainer.is_global_zero and schedule.decisions else None
+        self._due = (owner, decision, now, resume_at, energy, earlier, (before, told, line, decided))
 
     @staticmethod
     def ask_stop_again(trainer: pl.Trainer, suspended: dict[str, Any] | None) -> None:
@@ -117,14 +136,22 @@ class SuspendSave(Callback):
     def _finish(self, trainer: pl.Trainer, checkpoint: dict[str, Any], batch_end: bool) -> None:
         if self._due is None:  # detached: the fit raised in between
             return
-        (owner, decision, now, resume_at, energy, earlier, before), self._due = self._due, None
+        due, self._due = self._due, None
+        owner, decision, now, resume_at, energy, earlier, (_, _, line, _) = due
         # the fit ends here anyway (its last step, a stop that takes effect), complete: nothing to suspend (a
         # resume trained 0 steps, after wait-for-window waited for it); a max_time stop with work left suspends
         ends = batch_end and compat.fit_ends_after_this_step(trainer)
-        if ends and compat.run_end_status(trainer, False) == "complete":
-            owner.suspended, owner.resume_files[:] = None, before
+        ends = ends and compat.run_end_status(trainer, False) == "complete"
+        # rank 0's word on every rank: the save is a collective, and a Timer's time left is the rank's own (its
+        # on_train_start's): a rank whose Timer started later found "complete" and left rank 0 in the barrier
+        if trainer.world_size > 1:
+            ends = compat.from_rank_zero(trainer)([ends])[0]  # type: ignore[misc]
+        if ends:
+            self._drop(due)
             rank_zero_info(NOTHING_TO_SUSPEND)
             return
+        if line is not None:
+            rank_zero_info(line)
         if trainer.should_stop:  # asked before, or by the module's hook; stop_this_fit sets it anyway
             owner.suspended["stop_asked"] = True
             checkpoint["callbacks"][owner.state_key]["suspended"] = owner.suspended
@@ -141,6 +168,15 @@ class SuspendSave(Callback):
         # again): lifted for this fit, a resumed fit has them from its Trainer's arguments
         lifted = compat.stop_this_fit(trainer)
         self._lifted = lifted if self._lifted is None else self._lifted
+
+    @staticmethod
+    def _drop(due: tuple[Any, ...]) -> None:
+        """A suspend :meth:`due` set up and that is not written: the GreenWindow's ``suspended``,
+        ``resume_files`` and waiting put back, and the decision taken back from its report."""
+        owner, (before, told, _, decided) = due[0], due[-1]
+        owner.suspended, owner.resume_files[:] = None, before
+        owner._waiting = not told  # waiting before only where the decision was no switch
+        owner.schedule.withdraw(decided)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

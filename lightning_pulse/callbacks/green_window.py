@@ -309,7 +309,8 @@ class GreenWindow(compat.PulseStateKey, Callback):
     def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision) -> bool:
         """Apply a decision; ``True`` when another decision must follow at once (a pause ended)."""
         cycle = pulse_cycle_of(trainer) if self.when_dirty == "light" else None
-        if decision.run != (not self._waiting):
+        told = decision.run != (not self._waiting)  # a switch; a suspend's is told at its save (SuspendSave)
+        if told and (decision.run or self.when_dirty != "suspend"):
             stage = "cycle" if cycle is None else cycle.clock.stage
             rank_zero_info(decision_line(decision, self.when_dirty, self.run_clock.time(), stage))
         self._waiting = not decision.run
@@ -327,9 +328,8 @@ class GreenWindow(compat.PulseStateKey, Callback):
             self._next_check = -math.inf if stopped is None else self._next_check
             return stopped is None
         # the checkpoint keeps the run's times; the resume file, the clock's (see RunClock.suspension)
-        record, now, resume_at = self.run_clock.suspension(self.run_clock.time(), decision)
-        self.suspended = record  # due() adds to it and to resume_files (state), or drops it (the fit ends)
-        self._suspend_save.due(trainer, self, decision, now, resume_at, self._energy)
+        suspension = self.run_clock.suspension(self.run_clock.time(), decision)  # (record, now, resume_at)
+        self._suspend_save.due(trainer, self, decision, suspension, told, self._energy)
         return False
 
     # ------------------------------------------------------------------ energy

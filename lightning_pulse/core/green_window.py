@@ -1381,6 +1381,14 @@ class GreenSchedule:
             self.first_forecast = ((starts - offset).tolist(), forecast.tolist())
         return decision
 
+    def withdraw(self, record: dict[str, Any] | None) -> None:
+        """Take back the decision whose report record is ``record`` (the latest of :attr:`decisions`), where
+        it was never acted on: a suspend at a step where the fit ends anyway (``SuspendSave``), or one the fit
+        raised before. ``None`` (a rank that took no decision) changes nothing."""
+        if record is not None and self.decisions and self.decisions[-1] is record:
+            self.decisions.pop()
+            self.decision_count -= 1
+
     def within_max_time(self, decision: Decision, now: float, time_left_s: float) -> Decision:
         """A pause that keeps less than one slot of ``max_time`` (``time_left_s`` at wall time ``now``) to
         train in after it: Lightning's Timer counts a pause as run time, and stopped the run at the pause's
