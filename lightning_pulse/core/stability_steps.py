@@ -1701,6 +1701,11 @@ class StabilityCore:
             },
             {int(step): Clearing(*map(float, scores)) for step, scores in flagged.get("scores", {}).items()},
         )
+        # what it holds until the fit starts (and a save before then saves again)
+        self.flagged_losses, self.flagged_scores = (
+            dict(self.resumed_flagged[0]),
+            dict(self.resumed_flagged[1]),
+        )
 
 
 def maximize_changed_message(saved: bool, own: bool) -> str:
