@@ -614,7 +614,7 @@ class LayerFreezer:
         """Whether a parameter outside the units requires grad now (under DDP rank 0's answer, from ``agree``);
         if so, release everything and freeze nothing more (:attr:`outgrown`). A loop over :attr:`outside`: call
         it where a freeze is decided, not at every step."""
-        grew = self.outgrown or (not self._outgrown_at_close and self._outside_trains())
+        grew = self._outgrown_now()
         if agree is not None:
             grew = bool(agree([grew])[0])
         if grew:
@@ -686,10 +686,15 @@ class LayerFreezer:
             return not enabled and self.release_all()
         return self.freeze_from_last_check() if enabled else self.release_all()
 
+    def _outgrown_now(self) -> bool:
+        """Whether a parameter outside the units trains: known, or found by a scan, except in a state restored
+        from a step whose window end found it (that window end, trained again, retraces as the run did)."""
+        return self.outgrown or (not self._outgrown_at_close and self._outside_trains())
+
     def apply_requires_grad(self) -> None:
         """Turn off the parameters of the frozen units, and back on those of the others that this freezer
         turned off (after restoring a state). Nothing stays frozen once a parameter outside the units trains."""
-        if self.outgrown or (not self._outgrown_at_close and self._outside_trains()):
+        if self._outgrown_now():
             self.outgrown = True
             self.frozen = [False] * len(self.units)
         for unit, is_frozen in zip(self.units, self.frozen):

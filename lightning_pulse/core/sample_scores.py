@@ -233,15 +233,21 @@ class SampleScoreTable:
             self._start_scores[slots] = torch.as_tensor(kept["scores"]).numpy()
             self._start_steps[slots] = torch.as_tensor(kept["steps"]).numpy()
 
+    def _kept_pass(self) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """``(pass start, kept steps, kept scores)`` while a pass keeps its starting entries, else ``None``."""
+        if self.pass_start is None or self._start_steps is None or self._start_scores is None:
+            return None
+        return self.pass_start, self._start_steps, self._start_scores
+
     def _keep_pass_start(self, slots: np.ndarray, steps: int | np.ndarray) -> None:
         """Before ``slots`` are written at ``steps``: keep the entries written for the first time in the pass
         under way (see :meth:`begin_pass`)."""
-        start, kept_steps = self.pass_start, self._start_steps
-        if start is None or kept_steps is None or self._start_scores is None:
+        if (kept := self._kept_pass()) is None:
             return
+        start, kept_steps, kept_scores = kept
         first = slots[(self.steps[slots] < start) & (np.asarray(steps) >= start)]
         if first.size:
-            self._start_scores[first] = self.scores[first]
+            kept_scores[first] = self.scores[first]
             kept_steps[first] = self.steps[first]
 
     def _fold_mean(self, batch_mean: float) -> None:
@@ -291,15 +297,15 @@ class SampleScoreTable:
         :meth:`begin_pass`): an entry written since reads its earlier score and step. The same as
         :meth:`effective_array` when no pass keeps its starting scores."""
         slots = _np_indices(indices)
-        start, kept_steps = self.pass_start, self._start_steps
-        if start is None or kept_steps is None or self._start_scores is None:
+        if (kept := self._kept_pass()) is None:
             return self._effective(slots, step, prior)
+        start, kept_steps, kept_scores = kept
         scores, steps = self.scores[slots], self.steps[slots]
         # an entry written in the pass and kept (not one written before it began to keep: an older checkpoint)
         earlier = (steps >= start) & (kept_steps[slots] != _UNKEPT)
         if earlier.any():
             scores, steps = scores.copy(), steps.copy()
-            scores[earlier] = self._start_scores[slots[earlier]]
+            scores[earlier] = kept_scores[slots[earlier]]
             steps[earlier] = kept_steps[slots[earlier]]
         return self._age_weighted(scores, steps, step, prior)
 
@@ -307,15 +313,15 @@ class SampleScoreTable:
         """The kept starting entries (see :meth:`begin_pass`) that the table's own no longer hold (written in
         the pass since): ``slots``, ``scores`` and ``steps``, each ``(n,)``; ``None`` when there are none.
         Only samples that trained in the pass so far, and only while a pass keeps them."""
-        start, kept_steps = self.pass_start, self._start_steps
-        if start is None or kept_steps is None or self._start_scores is None:
+        if (kept := self._kept_pass()) is None:
             return None
+        start, kept_steps, kept_scores = kept
         slots = np.flatnonzero((self.steps >= start) & (kept_steps != _UNKEPT))
         if slots.size == 0:
             return None
         return {
             "slots": torch.from_numpy(slots.astype(np.int32 if self.num_samples < 2**31 else np.int64)),
-            "scores": torch.from_numpy(self._start_scores[slots].copy()),
+            "scores": torch.from_numpy(kept_scores[slots].copy()),
             "steps": torch.from_numpy(kept_steps[slots].copy()),
         }
 
