@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -195,7 +196,7 @@ def run_validation_probe(
             for index, batch in enumerate(batches):
                 # a copy: a module that transforms its batch in place (`batch["x"] = transforms(batch["x"])`
                 # in on_before_batch_transfer, an in-place op on CPU) leaves the kept batch as it came
-                batch = _batch_copy(batch)
+                batch = batch_copy(batch)
                 batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
                 inferred_size = None
                 if several:
@@ -231,19 +232,71 @@ def run_validation_probe(
     return dict(sorted(figures.items()))
 
 
-def _batch_copy(batch: Any) -> Any:
-    """A copy of a kept batch for one probe: its tensors cloned through lists, tuples, mappings; any other
-    object holding tensors in its attributes (a dataclass, a batch class with ``.to()``, which Lightning moves
-    as it is) deep-copied, as an in-place change in it would reach the kept batch."""
+def batch_copy(batch: Any) -> Any:
+    """A copy of a kept batch for one probe or one re-run of ``training_step``: its tensors cloned through
+    lists, tuples and mappings; any other object holding tensors (a dataclass, a batch class with ``.to()``,
+    which Lightning moves as it is, one with ``__slots__`` such as ``dataclass(slots=True)`` or an attrs
+    class, or one holding them through another object) deep-copied with those tensors cloned, as an in-place
+    change in it would reach the kept batch. An object holding no tensor is passed as it is."""
 
     def copied(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value.clone()
-        found: list[torch.Tensor] = []
-        apply_to_collection(getattr(value, "__dict__", None), torch.Tensor, found.append)
-        return copy.deepcopy(value) if found else value
+        found, modules = _tensors_in(value)
+        if not found:
+            return value
+        # each tensor cloned (as in a list), not deep-copied: a view copies its own elements, not its storage;
+        # a module the batch refers to (a tokenizer's, the model) is shared, not copied
+        memo = {id(tensor): tensor.clone() for tensor in found} | {id(module): module for module in modules}
+        return copy.deepcopy(value, memo)
 
     return apply_to_collection(batch, object, copied, wrong_dtype=(Mapping, list, tuple))
+
+
+# values that hold no tensor and are not looked into: scalars, strings, classes, modules, functions
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, type, types.ModuleType)
+_LEAVES += (types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.dtype, torch.device)
+
+
+def _tensors_in(value: Any) -> tuple[list[torch.Tensor], list[torch.nn.Module]]:
+    """The tensors ``value`` reaches through collections and objects' attributes (``__dict__`` and the
+    ``__slots__`` of every class of its MRO), each once; and the modules it reaches (not looked into)."""
+    found: dict[int, torch.Tensor] = {}
+    modules: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, _LEAVES) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            found.setdefault(id(item), item)
+        elif isinstance(item, torch.nn.Module):
+            modules.append(item)
+        elif isinstance(item, Mapping):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            pending.extend(item)
+        else:
+            pending.extend(getattr(item, "__dict__", {}).values())
+            pending.extend(_slot_values(item))
+    return list(found.values()), modules
+
+
+def _slot_values(item: Any) -> Iterator[Any]:
+    for cls in type(item).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{cls.__name__.lstrip('_')}{name}"  # a private slot's name is mangled
+            try:
+                yield getattr(item, name)
+            except AttributeError:  # an unset slot
+                continue
 
 
 def _reduction(reduce_fx: Any) -> str | None:
@@ -292,8 +345,7 @@ def training_losses(
         for batch_idx, batch in batches:
             for generator, state in drawn.get(batch_idx, ()):  # inside isolate_rng: the run's come back
                 generator.set_state(state)
-            copy = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
-            output = pl_module.training_step(copy, batch_idx)
+            output = pl_module.training_step(batch_copy(batch), batch_idx)
             loss = output.get("loss") if isinstance(output, dict) else output
             if isinstance(loss, torch.Tensor):
                 losses.append(float(loss.detach().float()))

@@ -91,7 +91,63 @@ def test_a_csv_in_utf16_or_utf32_with_a_byte_order_mark_reads_as_its_utf8_copy(t
     assert series.times.tolist() == utf8.times.tolist() and series.values.tolist() == utf8.values.tolist()
 
 
-def test_energy_logger_counts_co2_from_a_utf16_csv_as_powershell_writes_it(tmp_path):
+def _tab_separated(text: str) -> str:
+    """``text`` (a comma CSV of plain cells) as Excel's "Unicode Text" writes it: cells separated by tabs."""
+    return text.replace(",", "\t")
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-8"])
+def test_a_tab_separated_series_as_excels_unicode_text_writes_it_reads_as_its_csv_copy(tmp_path, encoding):
+    # sweep s44: the docs said Excel's "Unicode Text" files are read; they are tab-separated, and the reader
+    # split on commas only: `ci.txt:2 is not `timestamp,value` (['2026-12-07 00:00:00\t200']: ...)`
+    from lightning_pulse.energy.signal import series_signal
+
+    text = _tab_separated(EXCERPT.read_text())
+    path = tmp_path / "carbon.txt"
+    path.write_bytes(WITH_BOM[encoding](text) if encoding in WITH_BOM else text.encode())
+    series, csv_copy = TimeSeries.from_csv(path), TimeSeries.from_csv(EXCERPT)
+    assert (
+        series.times.tolist() == csv_copy.times.tolist()
+        and series.values.tolist() == csv_copy.values.tolist()
+    )
+    for rate in (price_from(str(path), "EUR"), series_signal(str(path))):  # a price, GreenWindow's `signal`
+        assert rate.series.values.tolist() == csv_copy.values.tolist()
+
+
+@pytest.mark.parametrize(
+    ("rows", "says"),
+    [
+        (  # Excel's "Unicode Text" in a decimal-comma locale
+            "Time\tCarbon Intensity\n2020-06-15 00:00:00\t123,4\n",
+            "ci.txt:2 is not `timestamp<tab>value` (['2020-06-15 00:00:00', '123,4']: could not convert string "
+            "to float: '123,4'); its value '123,4' holds a comma: write 123.4 where it is a decimal comma, 1234 "
+            "where it separates thousands (numbers take a decimal point and no separator).",
+        ),
+        (  # no header, a stray comma: split on tabs all the same
+            "2020-06-15 00:00:00\t123\n2020-06-15 01:00:00\t1,234\n",
+            "ci.txt:2 is not `timestamp<tab>value` (['2020-06-15 01:00:00', '1,234']: could not convert string "
+            "to float: '1,234'); its value '1,234' holds a comma: write 1.234 where it is a decimal comma, 1234 "
+            "where it separates thousands (numbers take a decimal point and no separator).",
+        ),
+    ],
+    ids=["decimal-comma", "no-header"],
+)
+def test_a_tab_separated_series_with_decimal_commas_is_refused_naming_them(tmp_path, rows, says):
+    path = tmp_path / "ci.txt"
+    path.write_bytes(WITH_BOM["utf-16-le"](rows))
+    with pytest.raises(ValueError, match=r"^`carbon_intensity`: ") as refused:
+        carbon_intensity_from(str(path), None)
+    assert str(refused.value).endswith(says)
+
+
+def test_a_comma_csv_with_a_stray_tab_is_still_read_on_commas(tmp_path):
+    path = tmp_path / "ci.csv"
+    path.write_text("timestamp,value\t\n2020-06-15 00:00:00,123.4\n2020-06-15 01:00:00,120\n")
+    assert TimeSeries.from_csv(path).values.tolist() == [123.4, 120.0]
+
+
+@pytest.mark.parametrize("tabs", [False, True], ids=["powershell-csv", "excel-unicode-text"])
+def test_energy_logger_counts_co2_from_a_utf16_csv_as_powershell_writes_it(tmp_path, tabs):
     import lightning.pytorch as pl
 
     from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
@@ -99,7 +155,8 @@ def test_energy_logger_counts_co2_from_a_utf16_csv_as_powershell_writes_it(tmp_p
     from tests.conftest import trainer_kwargs
 
     path = tmp_path / "carbon.csv"
-    path.write_bytes(WITH_BOM["utf-16-le"](EXCERPT.read_text()))
+    text = EXCERPT.read_text()  # Excel's "Unicode Text" separates cells by tabs (sweep s44)
+    path.write_bytes(WITH_BOM["utf-16-le"](_tab_separated(text) if tabs else text))
     energy = EnergyLogger(
         carbon_intensity=str(path),
         gpu="none",

@@ -149,6 +149,33 @@ def test_rapl_counter_jumps_no_reading_explains_count_nothing_labelled_estimated
     assert [(event.kind, event.failed) for event in chain.events] == [("corrected", "rapl")] * 3
 
 
+@pytest.mark.parametrize("watts", [300, 900])
+def test_rapl_readings_under_a_millisecond_apart_that_see_one_counter_update_stay_measured(tmp_path, watts):
+    # sweep s44: RAPL publishes its counter about every 1 ms, so two readings 0.2 ms apart (an epoch end's
+    # back-to-back snapshot and kwh_now) can see one whole update: 300 mJ from a 300 W package read as
+    # 1,500 W, "a jump no reading explains (a VM moved to another host?)", the update dropped and the cpu
+    # figure labelled estimated. The bound now has a floor of rapl.COUNTER_SLACK_SECONDS (10 ms) at 1000 W.
+    max_range = 262143328850
+    root = make_rapl_tree(tmp_path, {0: 10_000_000_000}, max_range=max_range)
+    warnings_seen: list[str] = []
+    chain = MeterChain("cpu", [("rapl", lambda: RaplMeter(root))], warn=warnings_seen.append)
+    chain.start(0.0)
+    update = watts * 1_000  # uJ in one ~1 ms counter update
+    set_energy(root, 0, 10_000_000_000 + watts * 1_000_000)  # one second at `watts`
+    assert chain.read(1.0) == (pytest.approx(watts), MEASURED)
+    set_energy(root, 0, 10_000_000_000 + watts * 1_000_000 + update)  # 0.2 ms later: one more update
+    assert chain.read(1.0002) == (pytest.approx(watts + update / 1e6), MEASURED)
+    assert chain.read(1.0002) == (pytest.approx(watts + update / 1e6), MEASURED)  # 0 s apart, no change
+    assert not warnings_seen and not chain.events
+    # a VM move 0.2 ms later is still a jump no reading explains, and so is more than the floor allows
+    set_energy(root, 0, 50_000_000_000)
+    assert chain.read(1.0004) == (pytest.approx(watts + update / 1e6), ESTIMATED)
+    set_energy(root, 0, 50_000_000_000 + 20_000_000)  # +20 J in 0.2 ms: above 1000 W x 10.2 ms
+    assert chain.read(1.0006) == (pytest.approx(watts + update / 1e6), ESTIMATED)
+    assert len(warnings_seen) == 1 and "a jump no reading explains" in warnings_seen[0]
+    assert [(event.kind, event.failed) for event in chain.events] == [("corrected", "rapl")] * 2
+
+
 def test_rapl_permission_denied_is_a_meter_error(public_tmp):
     root = make_rapl_tree(public_tmp / "powercap", {0: 5_000_000})
     for path in root.rglob("*"):

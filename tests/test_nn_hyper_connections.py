@@ -697,6 +697,24 @@ def test_a_pre_unit_scale_phi_state_dict_warns_and_the_documented_rescale_restor
     torch.testing.assert_close(new(x), old(x), atol=1e-5, rtol=1e-5)
 
 
+def test_the_small_phi_warning_says_how_to_tell_a_shrunk_current_phi_from_an_old_one_before_rescaling():
+    # sweep s44 (note): a current-layout phi that training shrank (long weight decay) below (nC)^-1/4 got the
+    # same advice, "multiply phi by sqrt(nC)", which followed would corrupt its weights. The warning stays
+    # (metadata cannot tell the two apart) and says how to tell them apart before acting.
+    torch.manual_seed(0)
+    layer = ManifoldHyperConnection(pre_norm_branch(), WIDTH, 4)
+    with torch.no_grad():
+        for name in ("phi_pre", "phi_post", "phi_res"):
+            getattr(layer, name).mul_(0.1)  # current layout, shrunk
+    state = _legacy_state_dict(layer)
+    with pytest.warns(UserWarning, match="saved before 2026-11-29") as caught:
+        ManifoldHyperConnection(pre_norm_branch(), WIDTH, 4).load_state_dict(state)
+    (message,) = [str(w.message) for w in caught if "phi has RMS" in str(w.message)]
+    assert "only if it was saved before 2026-11-29" in message
+    assert "weight decay" in message and "load it as it is" in message  # the other case, and what to do
+    assert "version 2" in message and "the loss" in message  # two ways to tell
+
+
 @pytest.mark.parametrize("cls", [ManifoldHyperConnection, HyperConnection])
 def test_current_state_dicts_load_without_a_warning_also_those_saved_before_the_version(cls):
     torch.manual_seed(0)

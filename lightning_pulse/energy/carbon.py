@@ -308,7 +308,8 @@ class TimeSeries:
 
     @classmethod
     def from_csv(cls, path: str | Path, field: str = "series") -> TimeSeries:
-        """Read ``Time,Carbon Intensity`` or ``timestamp,value`` CSV (header optional)."""
+        """Read ``Time,Carbon Intensity`` or ``timestamp,value`` CSV (header optional), or the same separated
+        by tabs (Excel's "Unicode Text", a TSV): see :func:`_delimiter`."""
         path = Path(path)
         if not path.is_file():
             raise ValueError(
@@ -320,8 +321,11 @@ class TimeSeries:
         time_col, value_col = 0, 1
         header: list[str] | None = None
         unnamed: list[int] = []  # the header's unnamed columns other than the time and value ones
-        with io.StringIO(read_series_text(path, field), newline="") as handle:
-            for line_number, row in enumerate(csv.reader(handle), start=1):
+        text = read_series_text(path, field)
+        delimiter = _delimiter(text)
+        shape = "`timestamp,value`" if delimiter == "," else "`timestamp<tab>value`"
+        with io.StringIO(text, newline="") as handle:
+            for line_number, row in enumerate(csv.reader(handle, delimiter=delimiter), start=1):
                 if not row or all(not cell.strip() for cell in row):
                     continue
                 # the first row that is not blank (a blank line can come before the header)
@@ -345,10 +349,11 @@ class TimeSeries:
                     times.append(parse_timestamp(row[time_col]))
                     values.append(float(row[value_col]))
                 except (ValueError, IndexError) as error:
-                    semicolons = f"; {_SEMICOLONS}" if any(";" in cell for cell in row) else ""
+                    hint = f"; {_SEMICOLONS}" if any(";" in cell for cell in row) else ""
+                    if delimiter == "\t" and (comma := _comma_in_number(row, value_col)):
+                        hint = f"; {comma}"
                     raise ValueError(
-                        f"`{field}`: {path}:{line_number} is not `timestamp,value` ({row!r}: {error})"
-                        f"{semicolons}."
+                        f"`{field}`: {path}:{line_number} is not {shape} ({row!r}: {error}){hint}."
                     ) from error
                 rows.append((line_number, row[time_col].strip(), row[value_col].strip()))
         if not times:
@@ -484,6 +489,30 @@ _SEMICOLONS = (
     "its cells look separated by ';', as a spreadsheet in a decimal-comma locale exports them: write commas "
     "between cells and a decimal point (2020-06-15 00:00:00,123.4)"
 )
+
+
+def _delimiter(text: str) -> str:
+    """The cell separator of a series file: a tab where its first row that is not blank holds more cells
+    (two or more) split at tabs than at commas, as Excel's "Unicode Text" and TSV files do (a timestamp or a
+    number never holds a tab); else a comma. A ``;``-separated file is not read: it comes from a
+    decimal-comma locale, whose numbers (``123,4``, ``1.234,5``) do not read one way; it is refused, naming
+    the separator (``_SEMICOLONS``)."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    tabs = sum(1 for cell in first.split("\t") if cell.strip())
+    return "\t" if tabs >= 2 and tabs >= sum(1 for cell in first.split(",") if cell.strip()) else ","
+
+
+def _comma_in_number(row: list[str], col: int) -> str | None:
+    """The way out when cell ``col`` of a tab-separated row is a number written with a comma (``123,4``,
+    ``1,234``), which reads either way; ``None`` when it is not."""
+    cell = row[col].strip() if 0 <= col < len(row) else ""
+    if not re.fullmatch(r"[-+]?\d+(,\d+)+", cell):
+        return None
+    decimal = f"{cell.replace(',', '.')} where it is a decimal comma, " if cell.count(",") == 1 else ""
+    return (
+        f"its value {cell!r} holds a comma: write {decimal}{cell.replace(',', '')} where it separates "
+        "thousands (numbers take a decimal point and no separator)"
+    )
 
 
 def _decimal_comma(row: list[str], first: int) -> str | None:

@@ -34,6 +34,12 @@ _TOP_LEVEL_ZONE = re.compile(r"^intel-rapl:\d+$")
 #: counts the package's real energy over the interval, below this; a reset read as a wrap counts most of
 #: the whole range
 MAX_PLAUSIBLE_PACKAGE_WATTS = 1000.0
+#: seconds added to every interval the bound allows energy for: RAPL publishes its counter in steps about
+#: every 1 ms, so two readings 0.2 ms apart can see a whole step (up to 1 ms of the package's energy), and a
+#: reading's timestamp is taken before its file is read, where the sampling thread may wait for the GIL (5 ms
+#: a switch). 10 ms covers both (10 J at 1000 W); a VM move's jump lands anywhere in the counter's range
+#: (262 kJ on Intel servers), a counter that went back reads as a wrap of nearly all of it
+COUNTER_SLACK_SECONDS = 0.01
 
 
 @dataclass
@@ -65,10 +71,11 @@ def counter_delta(previous_uj: int, current_uj: int, max_range_uj: int) -> int:
 def plausible_delta(previous_uj: int, current_uj: int, max_range_uj: int, seconds: float) -> int | None:
     """Microjoules between two readings, or ``None`` where no reading of the counter explains them: read as
     a step forward (or one wrap), they would mean more than :data:`MAX_PLAUSIBLE_PACKAGE_WATTS` over the
-    ``seconds`` since. A counter reset (suspend/resume, CPU hotplug) restarts from 0: its new value is the
+    ``seconds`` since plus :data:`COUNTER_SLACK_SECONDS` (a counter step between readings under 1 ms apart
+    is no jump). A counter reset (suspend/resume, CPU hotplug) restarts from 0: its new value is the
     energy since, where that value is itself plausible; a jump (a VM moved to a host whose counter reads
     otherwise, a counter that went back a few microjoules) explains nothing."""
-    bound = MAX_PLAUSIBLE_PACKAGE_WATTS * 1e6 * seconds
+    bound = MAX_PLAUSIBLE_PACKAGE_WATTS * 1e6 * (seconds + COUNTER_SLACK_SECONDS)
     delta = counter_delta(previous_uj, current_uj, max_range_uj)
     if delta <= bound:
         return delta

@@ -561,7 +561,9 @@ class HyperConnection(nn.Module):
     def _warn_if_phi_looks_pre_adeed8c(self, state_dict: dict[str, Any], prefix: str) -> None:
         """A state_dict without a version may hold phi as stored before commit adeed8c (2026-11-29), at
         N(0, 1/(nC)) and used unscaled, which this layer would scale by 1/sqrt(nC) again. Its RMS tells: about
-        1/sqrt(nC) then, about 1 since. Warn (never convert: most such state_dicts are of the current layout)."""
+        1/sqrt(nC) then, about 1 since; but a current phi that training shrank (weight decay) is small too, so
+        the warning says how to tell the two apart before rescaling. Warn (never convert: most such state_dicts
+        are of the current layout)."""
         phis = [state_dict.get(prefix + name) for name in ("phi_pre", "phi_post", "phi_res")]
         if not all(type(phi) in (Tensor, nn.Parameter) and not phi.is_meta for phi in phis):
             return  # absent (reported by torch), sharded or meta: nothing to read cheaply
@@ -572,8 +574,13 @@ class HyperConnection(nn.Module):
                 f"{type(self).__name__} at {prefix[:-1] or '<root>'!r}: the loaded phi has RMS {rms:.3g}, the scale "
                 f"of state_dicts saved before 2026-11-29 (commit adeed8c; init 1/sqrt(nC) = {width**-0.5:.3g}), "
                 f"whose layer used phi unscaled; this layer multiplies it by 1/sqrt(nC), so those weights would "
-                f"compute a different function. If it was saved by that code, multiply phi_pre, phi_post and "
-                f"phi_res by sqrt(nC) = {width**0.5:.4g} before loading (docs/mhc.md, Changelog).",
+                f"compute a different function. A state_dict saved since whose phi training shrank (long weight "
+                f"decay) reads the same: load it as it is, as rescaling it would corrupt it. So only if it was "
+                f"saved before 2026-11-29, multiply phi_pre, phi_post and phi_res by sqrt(nC) = {width**0.5:.4g} "
+                f"before loading. To tell: the file's date or the commit of the code that saved it; its "
+                f"metadata, which a checkpoint or `torch.save(model.state_dict())` keeps (safetensors and a "
+                f"rebuilt dict drop it): version 2 there means the current layout; or evaluate data it trained "
+                f"on both ways and keep the one that gives the loss the run reached (docs/mhc.md, Changelog).",
                 stacklevel=2,
             )
 
