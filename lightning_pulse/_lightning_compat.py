@@ -894,19 +894,68 @@ def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) 
     Lightning creates the first epoch's iterator before any callback hook after ``setup`` runs, so a sampler
     wrapper installed in ``on_train_start`` would miss that epoch. ``Strategy.process_dataloader`` is the
     public per-loader step inside that window; it is wrapped on this trainer's strategy instance only.
+
+    The hook changes the DataLoader it is given (an index-recording sampler, a planned batch sampler). Where
+    the fit's validation may iterate that very object (:func:`shares_validation_loader`), the hook gets, and
+    Lightning trains on, :func:`training_copy` of it instead, so that validation iterates the user's DataLoader
+    as built (the same copy again at a reload of the same object: persistent workers are kept).
     """
     from lightning.pytorch.trainer.states import RunningStage
+
+    copies: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
         def process_dataloader(dataloader: object) -> object:
             dataloader = original(dataloader)
             if state["active"] and trainer.state.stage == RunningStage.TRAINING:
+                if shares_validation_loader(trainer, dataloader):
+                    if (copied := copies.get(dataloader)) is None:
+                        copied = copies[dataloader] = training_copy(dataloader)
+                    dataloader = copied
                 hook(dataloader)
             return dataloader
 
         return process_dataloader
 
     return _wrap_on_instance(trainer.strategy, "process_dataloader", wrap)
+
+
+def shares_validation_loader(trainer: pl.Trainer, loader: Any) -> bool:
+    """Whether the fit's validation may iterate the training DataLoader ``loader`` itself (by identity:
+    ``fit(model, loader, loader)``, or a ``val_dataloader`` hook returning the train loader). The validation
+    DataLoaders are Lightning's once its validation loop built them (the sanity check); before that, the ones
+    given to ``fit``; ones a hook of the module or datamodule will build are not known (the hook is not called
+    here: Lightning calls it once, and it may be costly), and may be ``loader``: ``True``."""
+    from lightning.pytorch.utilities import CombinedLoader
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader) or not trainer.enable_validation:
+        return False
+    loaders = trainer.val_dataloaders
+    if loaders is None:
+        loaders = getattr(trainer.fit_loop.epoch_loop.val_loop._data_source, "instance", None)
+        if loaders is None or isinstance(loaders, (pl.LightningModule, pl.LightningDataModule)):
+            return True
+    flattened = (
+        loaders.flattened if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders).flattened
+    )
+    return any(candidate is loader for candidate in flattened)
+
+
+def training_copy(loader: Any) -> Any:
+    """A shallow copy of the DataLoader ``loader`` for training to iterate: the same dataset, index sampler,
+    collate function and worker settings, with a batch sampler of its own (a copy of a ``BatchSampler``, so
+    that an index recorder or a planned batch sampler put into the copy leaves ``loader``'s alone; a custom one
+    is shared, it is never changed) and no iterator yet (with persistent workers, it starts workers of its
+    own, as a second DataLoader would; ``loader``'s stay with it)."""
+    from torch.utils.data import BatchSampler
+
+    copied = copy.copy(loader)
+    batches = loader.batch_sampler
+    if isinstance(batches, BatchSampler) and type(batches).__iter__ is BatchSampler.__iter__:
+        object.__setattr__(copied, "batch_sampler", copy.copy(batches))  # DataLoader.__setattr__ forbids it
+    object.__setattr__(copied, "_iterator", None)
+    return copied
 
 
 def on_train_dataloaders_built(trainer: pl.Trainer, hook: Callable[[list[Any]], None]) -> Callable[[], None]:
