@@ -2220,6 +2220,36 @@ def restored_position(trainer: pl.Trainer, epoch_batches: int) -> tuple[int, int
     return (trainer.current_epoch + 1, 0) if trained >= epoch_batches else (trainer.current_epoch, trained)
 
 
+def restored_at_epoch_start(trainer: pl.Trainer) -> bool:
+    """Whether a fit goes on at an epoch's start by the loops' restored epoch progress alone: saved in or after
+    an epoch's end hooks, or with no epoch under way. Unlike :func:`restored_position` it reads no batch
+    count, which a checkpoint of another number of processes (other epoch lengths) counts otherwise."""
+    epochs = trainer.fit_loop.epoch_progress.current
+    return epochs.processed > epochs.completed or epochs.ready == epochs.completed
+
+
+def samples_per_step(trainer: pl.Trainer) -> int | None:
+    """The samples one optimizer step trains, as the run is set up (at train start, after the data set-up):
+    the training DataLoaders' ``batch_size`` (summed over several; a batch sampler's where the DataLoader has
+    none) x ``accumulate_grad_batches`` x processes. ``None`` where a DataLoader states no batch size (an
+    iterable dataset that batches itself). A setting, not a count: an epoch's short last batch or a cut
+    batch does not change it."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    loaders = trainer.train_dataloader
+    if loaders is None:
+        return None
+    total = 0
+    for loader in (loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders)).flattened:
+        size = getattr(loader, "batch_size", None)
+        if not isinstance(size, int):
+            size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            return None
+        total += size
+    return total * max(1, int(trainer.accumulate_grad_batches)) * trainer.world_size if total else None
+
+
 class PulseStateKey:
     """Keys a lightning-pulse callback's checkpoint state by its lightning-pulse class's name
     (:func:`~lightning_pulse.errors.pulse_class`); listed before ``Callback`` in the bases of each stateful

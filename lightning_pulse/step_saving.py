@@ -46,6 +46,7 @@ from lightning_pulse.core.replay import (
     STEPS_MODE_SCHEDULE_OUTRUN_REFUSAL,
     STEPS_MODE_SEQUENTIAL_MILESTONE_REFUSAL,
     STEPS_MODE_STEP_BOUND_REFUSAL,
+    STEPS_MODE_WORLD_SIZE_REFUSAL,
     Composition,
     HardSampleSelector,
     given_loaders_refusal,
@@ -312,6 +313,7 @@ class StepSavingLoader:
             )
         if cycle is not None:
             cycle.fit_budget(fraction, light_phases, math.ceil(plain_batches / accumulate))
+        resaved_from = self.follow_world_size(trainer)
         self._join_run_under_way(trainer, plain_batches)
         clock, budget = (None, None) if cycle is None else (cycle.clock, cycle.budget)
         restored = self.stream.has_restored_state and trainer.global_step > 0
@@ -388,6 +390,11 @@ class StepSavingLoader:
             remade = f" ({rest}; the checkpoint's plan remade from step {plan.from_step} on)."
         elif settings_changed := self.stream.changed_settings:
             remade = f" (the checkpoint's plan remade from step {plan.from_step} on for {settings_changed})."
+        elif resaved_from is not None:
+            remade = (
+                f" (the checkpoint's plan, made on {resaved_from} process(es), remade from epoch "
+                f"{plan.first_epoch} on for {trainer.world_size})."
+            )
         else:
             remade = " (the checkpoint's plan remade for this run's length)." if replanned else "."
         # past a plan's data the run trains plain batches while its epochs allow: max_epochs ends it there
@@ -410,6 +417,29 @@ class StepSavingLoader:
         if note := nothing_to_choose_note(plan, batches.batch_size, fraction, len(sampler)):
             rank_zero_warn(f"HardSampleReplay: {note}")
         return plan
+
+    def follow_world_size(self, trainer: pl.Trainer) -> int | None:
+        """Note the processes this fit plans for (saved with the stream's state). A restored state of another
+        number of processes counts rank 0's share of the data then, which this fit's shares split otherwise:
+        at an epoch's start it is dropped and the rest of the run is planned as a plan joining the run there
+        (:meth:`_join_run_under_way`); returns the saved number then, else ``None``. A state saved before the
+        number was recorded is taken as this fit's.
+
+        Raises:
+            PulseRefusal: for a fit that goes on inside an epoch on another number of processes.
+        """
+        self.stream.world_size = now = trainer.world_size
+        saved = self.stream.saved_world_size
+        if saved is None or saved == now:
+            return None
+        if trainer.global_step > 0 and not compat.restored_at_epoch_start(trainer):
+            raise PulseRefusal(
+                STEPS_MODE_WORLD_SIZE_REFUSAL.format(
+                    saved=saved, now=now, step=trainer.global_step, epoch=trainer.current_epoch
+                )
+            )
+        self.stream.forget_restored()
+        return saved
 
     def _join_run_under_way(self, trainer: pl.Trainer, plain_batches: int) -> None:
         """A fit that goes on at ``global_step`` > 0 with no stream state restored (a HardSampleReplay added

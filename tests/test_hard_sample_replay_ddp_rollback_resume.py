@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 from lightning_pulse import HardSampleReplay, PulseCycle, StabilityGuard
+from lightning_pulse.errors import PulseRefusal
 from tests.conftest import trainer_kwargs
 from tests.ddp_workers import TwoGlooProcesses
 
@@ -136,16 +137,14 @@ def test_a_checkpoint_saved_after_a_rollback_under_ddp_with_workers_resumes_ever
 
 
 @pytest.mark.ddp
-def test_a_resume_on_another_world_size_says_the_batches_drawn_ahead_are_chosen_again(
-    uninterrupted, tmp_path
-):
-    # the checkpoint holds two ranks' cuts: one process draws other windows, and says so rather than silently
-    # training other samples than the run it resumes
+def test_a_resume_on_another_world_size_inside_the_epoch_is_refused(uninterrupted, tmp_path):
+    # the checkpoint holds two ranks' cuts and counts of rank 0's share: one process read them in its own
+    # share (some samples of the epoch trained twice) and only warned that the drawn-ahead batches were chosen
+    # again; a checkpoint saved inside an epoch on another number of processes is now refused at fit start
+    # (an earlier version's, which holds no number, still warns: see the test below)
     _, checkpoints = uninterrupted
     checkpoint = checkpoints[SAVE_STEPS[0]]
-    with pytest.warns(
-        UserWarning, match=r"holds the cuts of 2 processes, not of this run.s 1.*resume on 2 processes"
-    ):
+    with pytest.raises(PulseRefusal, match=r"made on 2 process\(es\) and this fit runs on 1.*Resume on 2"):
         _fit(tmp_path / "one", resume=checkpoint, devices=1)
 
 

@@ -177,7 +177,6 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         self._one_run.start(trainer)  # before anything is planned from a state of another run
         refuse_uninitialized_parameters(pl_module, "StabilityGuard")  # after a sanity check's forward
         steps.warn_of_anomaly_detection(_warn_here)  # Lightning enables it around the fit loop, after setup
-        steps.warn_of_converted_baselines(self.detector, _warn_here)  # a checkpoint's on another scale or key
         self._changes.attach(trainer.optimizers)
         self._keep_gradients = compat.gradients_read_before_step(trainer, pl_module, self)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
@@ -186,7 +185,8 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         logs, device = compat.SkippedStepLogs(trainer), pl_module.device
         self._record = steps.StepRecord.of_callbacks(trainer.callbacks, HardSampleReplay, device, logs)
         self._entry_watch.watch(trainer, self._entered)  # after every batch-start hook and a cut
-        self.core.start(trainer.global_step, trainer.optimizers, pl_module)  # refuses ZeRO, mixed `maximize`
+        self.core.start(trainer.global_step, trainer.optimizers, pl_module, compat.samples_per_step(trainer))
+        steps.warn_of_converted_baselines(self.detector, _warn_here)  # another scale, key or samples a step
         self.core.snapshot_owed = True  # the start is good: snapshot after all on_train_start (or at batch 0)
         self._moments.fit_starts(trainer, self, partial(self._take_snapshot, trainer, pl_module))
 

@@ -334,6 +334,19 @@ STEPS_MODE_JOINED_MID_EPOCH_REFUSAL = (
 )
 
 
+# each process plans its own share of the data (a DistributedSampler's), and the checkpoint counts rank 0's: on
+# another number of processes a part-trained epoch's rest is not known in this fit's shares (at an epoch's
+# start the rest of the run is planned again instead, see StepSavingLoader.follow_world_size)
+STEPS_MODE_WORLD_SIZE_REFUSAL = (
+    "HardSampleReplay: the checkpoint's mode='steps' plan was made on {saved} process(es) and this fit runs on "
+    "{now}; it was saved at step {step}, inside epoch {epoch}. Each process plans its own share of the data, "
+    "which {now} process(es) split otherwise, so which samples of epoch {epoch} are left is not known here "
+    "(some would train twice, others never). Resume on {saved} process(es), or from a checkpoint saved at an "
+    "epoch's end (`ModelCheckpoint(save_on_train_epoch_end=True)` or `save_last=True`), from which the rest "
+    "of the run is planned again for {now}; or use mode='batch' (no plan: it keeps every sample's score)."
+)
+
+
 # the scores are one row per training sample, in both modes: a table of another size is another dataset's
 RESUMED_DATA_SIZE_REFUSAL = (
     "HardSampleReplay: the checkpoint's sample scores cover {saved} training samples, and this fit's "

@@ -282,7 +282,8 @@ class SpikeDetector:
         self.main_key = main_key
         # what the last load_state_dict converted: {"loss_scale" or "main_key": (the state's, this one's)};
         # a checkpoint's is said (and cleared) at train start, a rollback's snapshot's is left unread
-        self.converted: dict[str, tuple[str, str]] = {}
+        # (StabilityCore.start adds "samples_per_step" where a resume dropped the gradient-norm windows)
+        self.converted: dict[str, tuple[Any, Any]] = {}
         # log(ratio) for the log-scale ratio test, computed once
         self._log_ratio = {
             self.min_ratio: math.log(self.min_ratio),
@@ -347,6 +348,13 @@ class SpikeDetector:
         """Drop every loss window (the gradient-norm ones stay); whether any held a value."""
         held = any(tracker.values for tracker in self._loss.values())
         self._loss = {}
+        return held
+
+    def forget_grad_norms(self) -> bool:
+        """Drop every gradient-norm window (they warm up again, as in a fresh run; the loss ones stay); whether
+        any held a value."""
+        held = any(tracker.values for tracker in self._grad_norm.values())
+        self._grad_norm = {}
         return held
 
     def accept_held(self) -> None:

@@ -136,6 +136,16 @@ def warn_of_converted_baselines(detector: SpikeDetector, warn: Callable[[str], A
             f"first step, as in a run on {own!r} throughout. Pass "
             f"`config=StabilityGuardConfig(loss_scale={saved!r})` to keep the checkpoint's scale."
         )
+    if "samples_per_step" in converted:
+        saved, own = converted["samples_per_step"]
+        warn(
+            f"StabilityGuard: this fit trains {own} samples per optimizer step (batch size x "
+            f"accumulate_grad_batches x processes) and the checkpoint's baselines were measured at {saved}; the "
+            "gradient norm's noise scales with it, so the restored gradient-norm baselines were dropped and fill "
+            f"again over the next {detector.warmup} accepted steps, as in a fresh run (the loss baselines are "
+            "kept; non-finite steps are caught meanwhile). Resume with the checkpoint's batch size, "
+            "accumulation and number of processes to keep them."
+        )
     if "main_key" in converted:
         saved, own = (key == "burst" for key in converted["main_key"])
         how = (
@@ -629,10 +639,33 @@ class StabilityCore:
         self.resumed_flagged: tuple[dict[int, tuple[float, float | None]], dict[int, Clearing]] = ({}, {})
         # whether a restored checkpoint's loss windows hold the negated loss (None: nothing restored)
         self.resumed_maximized: bool | None = None
+        # the samples one optimizer step trains (batch size x accumulation x processes; None: not known), this
+        # fit's and a restored checkpoint's: the gradient norm's noise scales with it (see start)
+        self.samples_per_step: int | None = None
+        self.resumed_samples_per_step: int | None = None
         # the optimizers ascend the loss (maximizes_loss, read at train start): every loss is judged negated
         self.maximized = False
         # (step, state, its loss counts taken back) of a flagged step in flight, as before it (_keep_before_step)
         self.before_step: tuple[int, dict[str, Any], bool] | None = None
+
+    def _follow_samples_per_step(self, samples_per_step: int | None) -> None:
+        """Drop a checkpoint's gradient-norm baselines measured at another number of samples per optimizer step
+        (its resumed incident snapshots' too, which a rollback restores): the gradient norm's noise scales
+        about as 1/sqrt of it (medians 0.47 at 32 samples, 1.3 at 4), so a run resumed at a batch of 4 from
+        one at 32 was judged against a baseline 2.8x too low and flagged healthy steps, skipped and rolled
+        back. They warm up again as in a fresh run, said at train start (:func:`warn_of_converted_baselines`).
+        The loss baselines stay: a mean loss's level does not depend on it, and re-warmed from a few steps of
+        a trained model's small-batch losses they flagged healthy ones (0.56 against a median of 0.055 of 3)
+        that the kept windows judged fine. A checkpoint that recorded no number keeps them all, as before."""
+        saved, self.resumed_samples_per_step = self.resumed_samples_per_step, None
+        self.samples_per_step = samples_per_step
+        if saved is None or samples_per_step is None or saved == samples_per_step:
+            return
+        for snapshot in self.resumed_snapshots:
+            if isinstance(detector := snapshot.extra.get("detector"), dict):
+                snapshot.extra["detector"] = {**detector, "grad_norm": {}}
+        if self.detector.forget_grad_norms():
+            self.detector.converted["samples_per_step"] = (saved, samples_per_step)
 
     @property
     def presumes_data(self) -> bool:
@@ -792,7 +825,11 @@ class StabilityCore:
         changes.skip(optimizer, keep_gradients)
 
     def start(
-        self, step: int | None = None, optimizers: Sequence[Any] = (), model: nn.Module | None = None
+        self,
+        step: int | None = None,
+        optimizers: Sequence[Any] = (),
+        model: nn.Module | None = None,
+        samples_per_step: int | None = None,
     ) -> None:
         """At fit start, refuse optimizers no snapshot can hold (:func:`refuse_unconsolidated_optimizers`) or
         that both ascend and descend the loss, and learn whether they maximize it (:func:`maximizes_loss`);
@@ -801,8 +838,11 @@ class StabilityCore:
         resumes at: ``step``, whose snapshot :meth:`saved_forward_state` does not take as evidence about
         infinities). A resumed ``model`` copies the tensors its forwards write before its first step (the
         names the checkpoint holds): a skip in its first steps sets back to the values before it, as in the
-        run it resumes (to the resumed snapshot instead, it undid a skipped spike's statistics kept since)."""
+        run it resumes (to the resumed snapshot instead, it undid a skipped spike's statistics kept since).
+        ``samples_per_step``: what one optimizer step trains in this fit (``None``: not known); a checkpoint's
+        baselines measured at another number are dropped (:meth:`_follow_samples_per_step`)."""
         refuse_unconsolidated_optimizers(optimizers)
+        self._follow_samples_per_step(samples_per_step)
         self.maximized = maximizes_loss(optimizers)
         saved, self.resumed_maximized = self.resumed_maximized, None
         if saved is not None and saved != self.maximized and self.detector.forget_losses():
@@ -1658,6 +1698,9 @@ class StabilityCore:
                 "scores": {step: list(clearing) for step, clearing in self.flagged_scores.items()},
             },
         }
+        # (a checkpoint saved before this fit's start keeps the restored one)
+        if (samples := self.samples_per_step or self.resumed_samples_per_step) is not None:
+            state["samples_per_step"] = samples  # what the windows were measured at
         if snapshots := self.incident_snapshots():
             state["incident_snapshots"] = [snapshot_state(snapshot) for snapshot in snapshots]
         if in_unfinished_step and record is not None and record.decided is not None:
@@ -1693,6 +1736,8 @@ class StabilityCore:
         self.resumed_snapshots = [snapshot_from_state(s) for s in state_dict.get("incident_snapshots", [])]
         # a checkpoint from before the direction was read judged the loss as returned
         self.resumed_maximized = bool(state_dict.get("maximized", False))
+        samples = state_dict.get("samples_per_step")  # absent before this version: taken as this fit's
+        self.resumed_samples_per_step = None if samples is None else int(samples)
         flagged = state_dict.get("flagged", {})  # absent before this version: the incident's steps unknown
         self.resumed_flagged = (
             {

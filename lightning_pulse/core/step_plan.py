@@ -703,6 +703,9 @@ class StepSavingStream:
         # drop_last): a pass the plan ends short of the data's is saved with its length (_short_pass_state)
         self.pass_samples: int | None = None
         self._data_pass: tuple[int, int, bool] | None = None
+        # the processes the plan's counts are of (each plans its own share of the data): saved with the state,
+        # so a resume on another number reads none of them as its own (see StepSavingLoader.follow_world_size)
+        self.world_size: int | None = None
 
     @property
     def resumed_after_pass(self) -> bool:
@@ -735,6 +738,17 @@ class StepSavingStream:
     def has_restored_state(self) -> bool:
         """Whether a checkpoint's stream state was restored (the plan goes on from it)."""
         return self._resume is not None
+
+    @property
+    def saved_world_size(self) -> int | None:
+        """The processes the restored state's counts are of (``None``: none restored, or a checkpoint saved
+        before they were recorded, taken as this fit's)."""
+        return None if self._resume is None else self._resume.get("world_size")
+
+    def forget_restored(self) -> None:
+        """Drop the restored state (a plan of another number of processes): the fit plans as if the checkpoint
+        held none, and saves its own."""
+        self._resume = self.held = None
 
     def join_at(self, epoch: int, step: int) -> None:
         """Plan from the start of ``epoch`` at optimizer ``step``, where the fit goes on from a checkpoint
@@ -979,6 +993,7 @@ class StepSavingStream:
                 "trained": self.trained_samples - left_out,
                 "pulse_cycle": int(self.with_cycle),  # the plan depends on it: a resume without it plans anew
             }
+            | ({} if self.world_size is None else {"world_size": self.world_size})
             | self._joined_state()
             | self._settings_state()
             | self._dropped_state()
