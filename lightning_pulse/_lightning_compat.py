@@ -1927,14 +1927,22 @@ def training_key_monitors(trainer: pl.Trainer) -> list[tuple[str, str]]:
     loop (``self.log`` in ``training_step`` or a training hook, as ``name``, ``name_step`` or
     ``name_epoch``), not in validation. Reads the training loop's result collection, which Lightning 2.x keeps
     private (``fit_loop.epoch_loop._results``), so call it once the keys are logged (an epoch's end)."""
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
     results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
     logged: set[str] = set()
     for result in (results or {}).values():
         meta = getattr(result, "meta", None)
         if meta is not None:
             logged.update((meta.name, meta.forked_name(True), meta.forked_name(False)))
+    return [(monitor, key) for monitor, key in key_monitors(trainer) if key in logged]
+
+
+def key_monitors(trainer: pl.Trainer) -> list[tuple[str, str]]:
+    """``(the monitor, its key)`` for each EarlyStopping, ModelCheckpoint and ``ReduceLROnPlateau``
+    scheduler config (``lr_scheduler={"monitor": ...}``) of ``trainer``: what reads a key of
+    ``trainer.callback_metrics``. The schedulers' configs exist from ``on_fit_start`` on (the strategy's
+    setup makes them)."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
     monitors = [
         (f"{type(callback).__name__}(monitor={callback.monitor!r})", callback.monitor)
         for callback in trainer.callbacks
@@ -1943,7 +1951,7 @@ def training_key_monitors(trainer: pl.Trainer) -> list[tuple[str, str]]:
     for config in trainer.lr_scheduler_configs:
         if config.reduce_on_plateau and config.monitor is not None:
             monitors.append((_plateau_monitor(config), config.monitor))
-    return [(monitor, key) for monitor, key in monitors if key in logged]
+    return monitors
 
 
 def _plateau_monitor(config: Any) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -58,6 +58,35 @@ def log_closed_epoch(trainer: pl.Trainer, metrics: Mapping[str, float] | None) -
     """:func:`log_to_loggers` at a training epoch's start, of the epoch before it (figures final only once it
     has closed): at that epoch's last step, where Lightning writes an epoch's own metrics."""
     log_to_loggers(trainer, metrics, compat.logging_step(trainer, epoch_end=True))
+
+
+def refuse_logger_only_monitors(
+    trainer: pl.Trainer, owner: str, namespace: str, published: Collection[str] = ()
+) -> None:
+    """At fit start (``on_fit_start`` or ``on_train_start``): refuse an EarlyStopping, a ModelCheckpoint or a
+    ``ReduceLROnPlateau`` scheduler config (``compat.key_monitors``) that monitors a key under ``namespace``,
+    where ``owner`` logs its own figures, to the loggers only (:func:`log_to_loggers`): such a key never
+    reaches ``trainer.callback_metrics``, where monitors read. The fit trained up to the first check, then
+    stopped with Lightning's "could not find the monitored key ... Did you call `log(...)` in the
+    `LightningModule`?" (or "Early stopping conditioned on metric ... not available"), blaming the module for
+    a key the user saw in TensorBoard. ``published``: the keys under ``namespace`` that ``owner`` does put in
+    ``callback_metrics`` (EnergyLogger's ``energy/total_kwh``); they stay allowed.
+
+    Raises:
+        PulseRefusal: naming ``owner``, the monitor, the key, and the way out.
+    """
+    for monitor, key in compat.key_monitors(trainer):
+        if isinstance(key, str) and key.startswith(namespace) and key not in published:
+            but = "".join(f" but `{name}`" for name in published)
+            allowed = "".join(f" or `{name}`, which {owner} puts there for monitors" for name in published)
+            raise PulseRefusal(
+                f"{owner}: {monitor} reads a figure that {owner} sends to the loggers only (as every key "
+                f"under `{namespace}`{but}): it never reaches `trainer.callback_metrics`, where monitors "
+                "read, so the fit would stop at the first check, after training up to it, with Lightning's "
+                "'could not find the monitored key'. Way out: monitor a metric your LightningModule logs "
+                f"with `self.log`, e.g. `val_loss` in `validation_step`{allowed}; a key your module logs "
+                f"itself under `{namespace}` is refused too: log it under another name."
+            )
 
 
 def _drop_figures(trainer: pl.Trainer, logger: Logger, error: Exception) -> None:

@@ -426,10 +426,29 @@ class HeldOutProbe:
     ) -> dict[str, float] | None:
         """:meth:`run` on the weights the optimizers evaluate at (``at_evaluation_point``: a schedule-free
         optimizer's), its figures logged under ``prefix`` (:meth:`for_loggers`); ``None`` if unavailable."""
-        figures = at_evaluation_point(trainer.optimizers, self.run, trainer, pl_module)
+        figures = self.evaluated(trainer, pl_module)
         if figures is not None:
             log_to_loggers(trainer, self.for_loggers(figures, prefix))
         return figures
+
+    def evaluated(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
+        """:meth:`run` on the weights the optimizers evaluate at (``at_evaluation_point``): a schedule-free
+        optimizer's evaluation point ``x``, where Lightning's validation (the module's hooks) reads it, not
+        its training point ``y``. Every probe runs here: ScheduledPrune's called :meth:`run` itself and read
+        ``y``, so next to a PulseCycle an event's "before" (the cycle's probe, at ``x``) and "after" (its own,
+        at ``y``) were of two weight vectors."""
+        return at_evaluation_point(trainer.optimizers, self.run, trainer, pl_module)
+
+    def shares_batches(self, other: HeldOutProbe) -> bool:
+        """Whether this probe reads the very batches ``other`` has read: the same ``batches`` count, and
+        ``other``'s kept batches, which this probe takes as its own where it has taken none yet (they are the
+        first ``batches`` of the same dataloader; a shuffled or iterable one gives other batches to a second
+        read). A figure of ``other`` then stands for one of this probe's; otherwise it is of other data."""
+        if other.batches != self.batches or not other._data:
+            return False
+        if self._data is None:
+            self._data, self._several = other._data, other._several
+        return self._data is other._data
 
     def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
         """What ``validation_step`` logs on the probe's batches (:func:`run_validation_probe`), or ``None`` if

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.energy.account import EnergyAccount, TensorCollective
+from lightning_pulse.loggers import refuse_logger_only_monitors
 
 MONITORED = "energy/total_kwh"
 
@@ -37,7 +38,9 @@ class MonitoredTotal:
 
     def fit_starts(self, trainer: pl.Trainer) -> None:
         """At ``on_train_start``: the training steps where a ModelCheckpoint reads the total (not the step the
-        fit starts at: nothing has trained in this fit there); a warning for time-triggered saves."""
+        fit starts at: nothing has trained in this fit there); a warning for time-triggered saves. A monitor
+        on any other ``energy/`` figure (logger-only) is refused (:func:`refuse_logger_only_monitors`)."""
+        refuse_logger_only_monitors(trainer, "EnergyLogger", "energy/", published=(MONITORED,))
         self.steps, timed = compat.checkpoints_monitoring(trainer, MONITORED)
         self._published_step = trainer.global_step
         if timed:

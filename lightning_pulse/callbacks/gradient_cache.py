@@ -41,7 +41,7 @@ from lightning_pulse.errors import (
     refuse_uninitialized_parameters,
     refusing,
 )
-from lightning_pulse.loggers import log_to_loggers
+from lightning_pulse.loggers import log_to_loggers, refuse_logger_only_monitors
 from lightning_pulse.phase import Phase, PhaseChange
 from lightning_pulse.step_rows import is_step_row, step_rows_every
 
@@ -170,6 +170,7 @@ class GradientCache(compat.PulseStateKey, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        refuse_logger_only_monitors(trainer, "GradientCache", "gradient_cache/")
         # again after configure_model, the place Lightning documents for torch.compile, which runs after setup
         refuse_compiled_module(compat.compiled_trainable_part(pl_module))
         self._lifecycle.check_fit_start(trainer.strategy, pl_module, trainer.world_size, trainer.optimizers)
@@ -314,10 +315,8 @@ class GradientCache(compat.PulseStateKey, Callback):
             self._replay.detach(trainer.train_dataloader)
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        add_ddp_inner_backward_note(exception, rank_zero_warn)  # where check_wrapped_model's advice led
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
+        add_ddp_inner_backward_note(error, rank_zero_warn)  # where check_wrapped_model's advice led
         self._end_fit()
 
     @override

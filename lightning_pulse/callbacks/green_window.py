@@ -37,7 +37,7 @@ from lightning_pulse.core.green_window import (
     unknown_length_refusal,
 )
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, refuse_unwritable_dir, refusing
-from lightning_pulse.loggers import log_to_loggers, logger_run, run_folder
+from lightning_pulse.loggers import log_to_loggers, logger_run, refuse_logger_only_monitors, run_folder
 from lightning_pulse.protocols import pausing
 
 SYNC_EVERY_N_STEPS = 10  # under DDP, rank 0's clock is consulted (and its decision shared) this often
@@ -149,9 +149,8 @@ class GreenWindow(compat.PulseStateKey, Callback):
         self.resume_files: list[str] = []  # the run's green_window.json, one per folder it suspended into
         self.report: dict[str, Any] | None = None
         self.report_paths: list[Path] = []
-        self._held = compat.CollectiveHold()
+        self._held, self._energy = compat.CollectiveHold(), None  # _energy: an EnergyLogger, at fit start
         self._suspend_save = SuspendSave()  # last in trainer.callbacks (see callbacks._suspend_save)
-        self._energy: Any = None
         self._open: dict[str, Any] | None = None  # the segment a checkpoint held, until training resumes
         self._carried_s = 0.0  # the run-time shift a checkpoint held (RunClock.restart)
         self._last_step, self._next_check, self._waiting = 0, -math.inf, False
@@ -187,6 +186,7 @@ class GreenWindow(compat.PulseStateKey, Callback):
         if refusal is not None:
             raise PulseRefusal(refusal)
         refuse_unwritable_dir("GreenWindow", "options.report_dir", self.options.report_dir, trainer)
+        refuse_logger_only_monitors(trainer, "GreenWindow", "green/")  # a monitor on `green/signal`
         self.signal.follow(intensity)  # without a signal of its own: the EnergyLogger's series, on this clock
         if self.options.watts is None and self._energy is None:
             rank_zero_info(NO_ENERGY_LINE)

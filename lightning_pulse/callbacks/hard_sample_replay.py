@@ -21,7 +21,7 @@ from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
 from lightning_pulse.core.replay_data import ReplayData
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.errors import OneRunPerInstance, names_itself, tuner_search
-from lightning_pulse.loggers import log_to_loggers
+from lightning_pulse.loggers import log_to_loggers, refuse_logger_only_monitors
 from lightning_pulse.phase import Phase
 from lightning_pulse.step_rows import step_rows_every
 from lightning_pulse.step_saving import StepSavingLoader
@@ -206,6 +206,7 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        refuse_logger_only_monitors(trainer, "HardSampleReplay", "hard_sample_replay/")
         if self.batches.captures_losses:  # after configure_model, which may compile (a scorer: no capture)
             refuse(replay.setup_refusal(False, None, compat.fullgraph_compiled_step(pl_module)))
             self._fullgraph.watch(pl_module, lambda *error: refuse(replay.fullgraph_loss_refusal(*error)))

@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.errors import FitRestores, names_itself
-from lightning_pulse.loggers import log_to_loggers
+from lightning_pulse.loggers import log_to_loggers, refuse_logger_only_monitors
 from lightning_pulse.nn.diagnostics import HyperConnectionRecorder
 
 
@@ -114,6 +114,7 @@ class HyperConnectionMonitor(compat.PulseStateKey, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        refuse_logger_only_monitors(trainer, "HyperConnectionMonitor", f"{self.prefix}/")
         # said before the first step; the module is built by now (configure_model ran at the strategy's setup)
         self._warned_empty = False
         self._recorder = self._hooked(pl_module)

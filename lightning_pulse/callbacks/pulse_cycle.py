@@ -21,7 +21,7 @@ from lightning_pulse.core.step_plan import StepPlan
 from lightning_pulse.core.step_plan import resumed_without_plan as plan_lost_warning
 from lightning_pulse.core.uncounted_step import UncountedStep
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refusing
-from lightning_pulse.loggers import log_to_loggers
+from lightning_pulse.loggers import log_to_loggers, refuse_logger_only_monitors
 from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, StepTimer, cycle_clock, unreachable_alone
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
 from lightning_pulse.protocols import PhaseListener, PhaseStartListener, listeners
@@ -237,6 +237,7 @@ class PulseCycle(compat.PulseStateKey, Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
+        refuse_logger_only_monitors(trainer, "PulseCycle", "pulse/")  # a monitor on `pulse/probe/val_loss`
         self._refresh_run_length(trainer)
         if self.plan is None:  # no plan this fit (a steps-mode checkpoint resumed in batch mode)
             start_without_plan(self.clock, self.budget)  # unpins the clock; refuses a `budget`

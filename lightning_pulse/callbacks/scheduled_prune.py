@@ -30,7 +30,7 @@ from lightning_pulse.core.distillation import DistillConfig
 from lightning_pulse.core.prune_events import PruneEvents, reusable_probe
 from lightning_pulse.core.prune_schedule import PruneSchedule, check_int
 from lightning_pulse.core.prune_setup import PRUNE_EVERY_DEFAULT, PruneOptions, check_options_apply
-from lightning_pulse.loggers import log_to_loggers
+from lightning_pulse.loggers import log_to_loggers, refuse_logger_only_monitors
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
 from lightning_pulse.protocols import step_undone, tell_weights_changed
@@ -74,8 +74,8 @@ class ScheduledPrune(compat.PulseStateKey, Callback):
             removed (with ``None``, not a layer whose weight has fewer than two dimensions, a norm of any
             class or ``PReLU``: it is cut with the layer before it).
         exclude_pattern: never layers whose qualified name matches this regex (``re.search``).
-        probe_batches: validation batches evaluated right after each event (and before it when no PulseCycle
-            probe just ran); ``0`` turns the probes off.
+        probe_batches: validation batches evaluated right after each event (and before it unless a PulseCycle
+            probe of as many batches just ran); ``0`` turns the probes off.
         distill: a :class:`~lightning_pulse.core.distillation.DistillConfig` to distil the pre-event model
             into the pruned one after each event (a KL term on the logits, which ``forward`` must return).
         options: rarely turned knobs, a :class:`PruneOptions`.
@@ -191,6 +191,7 @@ class ScheduledPrune(compat.PulseStateKey, Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
+        refuse_logger_only_monitors(trainer, "ScheduledPrune", "prune/")  # a monitor on `prune/sparsity`
         total = compat.total_steps(trainer)
         compat.note_run_shares(trainer, "ScheduledPrune", self.schedule.shares, in_steps=True)
         manual_optimizers = len(trainer.optimizers) if compat.steps_per_batch_unknown(trainer) else 0
@@ -320,14 +321,14 @@ class ScheduledPrune(compat.PulseStateKey, Callback):
             return
         self._end_distillation(trainer)
         self._masks.refresh(pl_module, grad=False)  # the probe reads this step's weights
-        # PulseCycle has just evaluated the model at this maintain entry: reuse it rather than evaluate twice
-        reused = reusable_probe(cycle := pulse_cycle_of(trainer), maintain_entry)
-        probe_before = reused if reused is not None else self.probe.run(trainer, pl_module)
+        # PulseCycle has just evaluated the model here: reuse it where it read the batches ours reads
+        reused = reusable_probe(cycle := pulse_cycle_of(trainer), maintain_entry, self.probe)
+        probe_before = reused if reused is not None else self.probe.evaluated(trainer, pl_module)
         outcome, teacher = self.core.cut(pl_module, target, trainer.optimizers, self.distill is not None)
         tell_weights_changed(trainer, pl_module, outcome.remap, exclude=self)  # both modes change weights
         if len(outcome.remap):
             compat.rewrap_ddp(trainer)
-        probes = (probe_before, self.probe.run(trainer, pl_module))
+        probes = (probe_before, self.probe.evaluated(trainer, pl_module))  # a schedule-free optimizer's x
         event = self.core.record(step, target, outcome, pl_module, probes, cycle and phase_of(trainer).value)
         unlogged = self.probe.unlogged | (cycle.probe.unlogged if reused else set())  # logger=False: not sent
         log_to_loggers(trainer, pruning.event_metrics(event, unlogged))

@@ -26,7 +26,7 @@ from lightning_pulse.errors import (
     refuse_sharded_strategy,
     refuse_uninitialized_parameters,
 )
-from lightning_pulse.loggers import log_to_loggers
+from lightning_pulse.loggers import log_to_loggers, refuse_logger_only_monitors
 from lightning_pulse.phase import PhaseChange
 from lightning_pulse.probe import losses_at, training_losses
 from lightning_pulse.protocols import rollback_states, tell_restored_phase
@@ -175,6 +175,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._one_run.start(trainer)  # before anything is planned from a state of another run
+        refuse_logger_only_monitors(trainer, "StabilityGuard", "stability/")
         refuse_uninitialized_parameters(pl_module, "StabilityGuard")  # after a sanity check's forward
         steps.warn_of_anomaly_detection(_warn_here)  # Lightning enables it around the fit loop, after setup
         self._changes.attach(trainer.optimizers)
@@ -344,8 +345,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
 
     def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, action: Action) -> None:
         """Back to the newest snapshot ``rollback_margin`` steps before the incident; go on, or save and raise."""
-        step = trainer.global_step - 1  # the flagged step that triggered it (already taken)
-        state = self._training_state(trainer)
+        step, state = trainer.global_step - 1, self._training_state(trainer)  # step: the flagged one (taken)
         target, undone = self.core.return_to_snapshot(pl_module, state, step, rank_zero_warn)
         if target is not None and (cycle := pulse_cycle_of(trainer)) is not None:
             tell_restored_phase(trainer, pl_module, cycle, exclude=self)  # every listener: its phase
