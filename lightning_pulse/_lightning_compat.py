@@ -1487,7 +1487,8 @@ def run_length(trainer: pl.Trainer) -> tuple[float, float]:
     its last window. Work measured per optimizer step does not scale to the rest of a run whose later steps
     cover more batches (a ``GradientAccumulationScheduler`` raising the accumulation): measured per batch it
     does. The epoch a ``StochasticWeightAveraging`` adds to update BatchNorm statistics trains nothing and is
-    not counted (:func:`training_max_epochs`).
+    not counted (:func:`training_max_epochs`). A fit resumed from a checkpoint counts the steps and batches
+    taken before it as they were taken, and this fit's epoch length from where it resumed (:func:`_epochs_length`).
 
     Where a batch's steps are unknown (:func:`steps_per_batch_unknown`), only ``max_steps`` gives a length in
     steps, and only when nothing else can end the run first (no ``max_epochs``, or a DataLoader without a
@@ -1503,26 +1504,95 @@ def run_length(trainer: pl.Trainer) -> tuple[float, float]:
         bounded_by_steps = epochs in (None, -1) or not math.isfinite(batches_per_epoch)
         return (min(estimate, _training_max_steps(trainer)) if bounded_by_steps else math.inf), math.inf
     batches, accumulate = _training_epoch_batches(trainer)
-    schedule = accumulation_schedule(trainer)
-    if schedule is None:
-        window_of = lambda epoch: accumulate  # noqa: E731
-    else:
-        window_of = schedule.get_accumulate_grad_batches
+    window_of = _window_of(trainer, accumulate)
     max_epochs = training_max_epochs(trainer)
     # a run bounded by max_steps alone, or of unknown length
     if max_epochs in (None, -1) or not math.isfinite(batches) or batches < 1:
         estimate = min(estimate, _training_max_steps(trainer))
         return estimate, estimate * window_of(trainer.current_epoch)
-    steps, taken = 0, 0
-    steps_left = _training_max_steps(trainer)
-    for epoch in range(max(max_epochs, 1)):
-        window = window_of(epoch)
-        epoch_steps = math.ceil(batches / window)
-        if epoch_steps >= steps_left:
-            steps, taken = steps + steps_left, taken + min(batches, steps_left * window)
-            break
-        steps, taken, steps_left = steps + epoch_steps, taken + batches, steps_left - epoch_steps
+    steps, taken, _ = _epochs_length(trainer, batches, window_of, max_epochs)
     return float(steps), float(taken)
+
+
+def _window_of(trainer: pl.Trainer, accumulate: int) -> Callable[[int], int]:
+    """An epoch's accumulation by its index: a ``GradientAccumulationScheduler``'s, else ``accumulate``."""
+    schedule = accumulation_schedule(trainer)
+    return (lambda epoch: accumulate) if schedule is None else schedule.get_accumulate_grad_batches
+
+
+def _epochs_length(
+    trainer: pl.Trainer, batches: float, window_of: Callable[[int], int], max_epochs: int
+) -> tuple[int, int, bool]:
+    """``(optimizer steps, batches, whether max_steps ended it)`` of a ``max_epochs`` run of epochs of
+    ``batches`` batches, counted from epoch 0, or, in a fit resumed from a checkpoint, from where it resumed
+    (:func:`_resume_point`): the steps and batches taken before it, at whatever length the epochs had then,
+    the rest of the restored epoch at this fit's length and accumulation, then the epochs left. Counted from
+    epoch 0 at this fit's length, a resume that changed the epoch's length (``accumulate_grad_batches``, the
+    batch size, the data set, ``limit_train_batches``) placed the shares of the run on the length of a fresh
+    run with the new settings: saved at step 16 of 3 x 16 steps and resumed at accumulation 2, a run that
+    ends at step 32 was read as 24 steps long, and its anneal of 0.2 covered 0.41 of it."""
+    epoch, steps, done, taken = _resume_point(trainer) or (0, 0, 0, 0)
+    steps_left, last = max(_training_max_steps(trainer) - steps, 0), max(max_epochs, 1) - 1
+    for index in range(epoch, last + 1):
+        window = window_of(index)
+        # Lightning goes on in the restored epoch from its batch count: its windows keep their places
+        epoch_steps = max(math.ceil(batches / window) - (done // window if index == epoch else 0), 0)
+        epoch_batches = max(batches - (done if index == epoch else 0), 0)
+        if epoch_steps >= steps_left:  # max_steps ends it, unless exactly at the last epoch's end
+            cut = epoch_steps > steps_left or index < last
+            return steps + steps_left, taken + min(epoch_batches, steps_left * window), cut
+        steps, taken, steps_left = steps + epoch_steps, taken + epoch_batches, steps_left - epoch_steps
+    return steps, taken, False
+
+
+# on the fit loop: where a fit resumed from a checkpoint stands at its train start (_resume_point)
+_RESUME_POINT_ATTR = "_lightning_pulse_resume_point"
+
+
+def _resume_point(trainer: pl.Trainer) -> tuple[int, int, int, int] | None:
+    """``(epoch, optimizer steps, batches of that epoch Lightning counts trained, batches trained in all)``
+    where this fit resumed from a checkpoint (``ckpt_path``), read once, at its train start (after Lightning
+    restored the loops, before the restored epoch goes on); ``None`` for a fit that resumed nothing, or before
+    its training starts. The restored epoch's batch count is the one Lightning's training epoch loop goes on
+    from (:func:`_restored_epoch_batches`). A run whose passes a step-saving ``HardSampleReplay`` plans
+    (``mode="steps"``) is left to its plan: its epochs hold fewer batches than the DataLoader's length, and
+    the plan records the plain run's length it was made for."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from lightning_pulse.callbacks.hard_sample_replay import HardSampleReplay  # it imports this module
+
+    path = getattr(trainer, "ckpt_path", None)  # a stand-in trainer (a test's) may have none
+    if path is None or any(isinstance(c, HardSampleReplay) and c.mode == "steps" for c in trainer.callbacks):
+        return None
+    # one object per `fit` call, kept through it (a DataLoader reloaded each epoch is another object)
+    selector = trainer._data_connector._datahook_selector
+    record = getattr(trainer.fit_loop, _RESUME_POINT_ATTR, None)
+    if record is not None and record[0]() is selector and record[1] == path:
+        return record[2]
+    # before the training starts (setup, on_fit_start, a Tuner's trials) the loops are not restored yet
+    if trainer.state.stage != RunningStage.TRAINING or trainer.fit_loop._combined_loader is None:
+        return None
+    point = (trainer.current_epoch, trainer.global_step, *_restored_epoch_batches(trainer))
+    setattr(trainer.fit_loop, _RESUME_POINT_ATTR, (weakref.ref(selector), path, point))
+    return point
+
+
+def _restored_epoch_batches(trainer: pl.Trainer) -> tuple[int, int]:
+    """``(batches of the restored epoch, batches of the run)`` Lightning counts as trained where a resumed fit
+    goes on, read at its train start. Lightning's training epoch loop resets its counters only when it starts
+    (after ``on_train_start``): restarting, a batch saved at its ``on_train_batch_end`` counts as completed,
+    and the epoch goes on from that count, whatever this fit's epoch length; only a count that reaches it
+    starts the epoch over from its first batch (``limit_train_batches`` 16 -> 4 at batch 10: 4 batches more;
+    a data set twice as long at the epoch's last batch: the next epoch goes on from batch 16 of 32)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    current, total = epoch_loop.batch_progress.current, epoch_loop.batch_progress.total
+    if not epoch_loop.restarting:
+        return 0, int(total.ready)
+    saved_at_batch_end = int(getattr(epoch_loop, "restarted_on_train_batch_end", False))
+    done = int(current.completed) + saved_at_batch_end
+    if saved_at_batch_end and done >= trainer.num_training_batches:
+        done = 0
+    return done, int(total.completed) + saved_at_batch_end
 
 
 # on the fit loop: the fit's settings placed as shares of the run's length (core.run_shares.PlacedShares)
@@ -1587,12 +1657,8 @@ def _length_of_epochs(trainer: pl.Trainer, steps: float) -> bool:
     max_epochs, batches = training_max_epochs(trainer), trainer.num_training_batches
     if max_epochs in (None, -1) or not math.isfinite(steps) or not math.isfinite(batches):
         return False
-    schedule = accumulation_schedule(trainer)
-    windows = [
-        trainer.accumulate_grad_batches if schedule is None else schedule.get_accumulate_grad_batches(e)
-        for e in range(max_epochs)
-    ]
-    return sum(math.ceil(batches / window) for window in windows) <= steps
+    window_of = _window_of(trainer, trainer.accumulate_grad_batches)
+    return not _epochs_length(trainer, batches, window_of, max_epochs)[2]
 
 
 def accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:
