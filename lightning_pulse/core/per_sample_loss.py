@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from lightning_pulse.core.carried_state import kept_buffers
 from lightning_pulse.errors import PulseRefusal
 
 #: The ``torch.nn.functional`` losses that :class:`LossCapture` sees. ``torch.nn`` loss modules call these.
@@ -2213,8 +2214,10 @@ class ForwardLossScorer(PerSampleScorer):
     """Scores with a second, gradient-free forward pass: ``loss(pl_module(batch[input]), batch[target])``.
 
     Costs about one third of a training step (a forward without backward). The module runs in eval mode
-    for it (no dropout, no batch-norm statistics updates) and the global RNG state is preserved, so the
-    training itself is not disturbed.
+    for it (no dropout, no batch-norm statistics updates), the global RNG state is preserved, and every
+    buffer the forward writes all the same is given back (a torch.ao fake quantizer observes in eval mode
+    too: its ``min_val``/``max_val``, ``scale`` and ``zero_point`` would move at each scoring;
+    :func:`~lightning_pulse.core.carried_state.kept_buffers`), so the training itself is not disturbed.
 
     Args:
         loss: a ``torch.nn.functional`` loss name (one of :data:`CAPTURED_LOSSES`).
@@ -2243,7 +2246,11 @@ class ForwardLossScorer(PerSampleScorer):
         modes = {module: module.training for module in pl_module.modules()}
         pl_module.eval()
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            with (
+                torch.no_grad(),
+                torch.random.fork_rng(devices=[]),
+                kept_buffers(pl_module),
+            ):
                 predictions = pl_module(inputs)
                 if self.flatten_tokens:
                     predictions = predictions.reshape(-1, predictions.shape[-1])

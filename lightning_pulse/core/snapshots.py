@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.ao.quantization import FakeQuantizeBase
 from torch.nn.parameter import is_lazy
 
 
@@ -501,6 +502,28 @@ def fitted_state(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Mappin
     return saved if fitted.keys() == saved.keys() else fitted
 
 
+#: the on/off switches of torch's fake quantizers (``torch.ao.quantization.FakeQuantizeBase``, the fused and
+#: the learnable ones included): buffers that a QAT recipe sets once, between steps (``disable_observer``,
+#: ``disable_fake_quant``, ``_LearnableFakeQuantize.enable_param_learning``), never a forward
+QUANTIZER_SWITCHES = ("fake_quant_enabled", "observer_enabled", "static_enabled", "learning_enabled")
+
+
+def quantizer_switches(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The fake quantizers' switches (:data:`QUANTIZER_SWITCHES`) ``model`` holds, by ``state_dict`` name.
+
+    A rollback keeps their current values (:func:`restore_snapshot`), and a skipped step does not set them
+    back (:class:`PreStepBuffers` leaves them out): a snapshot from before ``model.apply(disable_observer)``
+    would otherwise turn the observers on again for the rest of the run, since nothing calls it again (the
+    step counter does not go back), as ``fitted_state`` keeps another pruner's masks."""
+    return {
+        f"{prefix}.{name}" if prefix else name: buffer
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        if isinstance(module, FakeQuantizeBase)
+        for name in QUANTIZER_SWITCHES
+        if isinstance(buffer := module._buffers.get(name), torch.Tensor)
+    }
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     """``optimizer.load_state_dict(state)``, with every state tensor back in the dtype it was saved in.
 
@@ -596,6 +619,9 @@ def restore_snapshot(
 ) -> None:
     """Return ``model``, ``optimizers``, ``schedulers`` and ``callbacks`` to ``snapshot``.
 
+    The on/off switches of torch's fake quantizers keep their current values (:func:`quantizer_switches`): a
+    QAT recipe's ``disable_observer`` or ``disable_fake_quant`` is a one-shot call that nothing would redo.
+
     Parameters are overwritten in place (``load_state_dict`` copies into the existing tensors), so
     optimizers and DDP keep pointing at the same parameter objects. Optimizer state goes back to the
     parameters' devices (``Optimizer.load_state_dict`` moves it), in the dtypes it was saved in
@@ -648,6 +674,7 @@ def restore_snapshot(
     fitted = fitted_state(snapshot.model, model.state_dict())
     if fitted is None:
         raise ValueError("The snapshot no longer fits the model: its entries or their shapes changed since.")
+    switches = [(buffer, buffer.clone()) for buffer in quantizer_switches(model).values()]
     model.load_state_dict(fitted)
     for name, saved in snapshot.buffers.items():
         try:
@@ -656,6 +683,9 @@ def restore_snapshot(
             continue
         if buffer is not None and buffer.shape == saved.shape:
             buffer.copy_(saved)
+    with torch.no_grad():
+        for buffer, now in switches:  # the user's one-shot calls since the snapshot stand
+            buffer.copy_(now)
     for index, (optimizer, state) in enumerate(zip(optimizers, snapshot.optimizers)):
         current_hyperparameters = [
             {name: value for name, value in group.items() if name != "params"}
@@ -785,6 +815,7 @@ class PreStepBuffers:
             )
             self.fingerprints = now
         saved = {} if snapshot is None else {**snapshot.model, **snapshot.buffers}
+        switches = quantizer_switches(model)
         for name, buffer in model.named_buffers():
             before = saved.get(name)
             if name in written or not isinstance(before, torch.Tensor) or is_lazy(buffer):
@@ -792,6 +823,8 @@ class PreStepBuffers:
             if buffer.layout != torch.strided:  # a sparse buffer: no in-place copy before each step
                 continue
             if _is_pruning_mask(model, name):  # written by prune events between steps, never by a forward
+                continue
+            if name in switches:  # set by the user's calls between steps, never by a forward
                 continue
             if before.shape == buffer.shape and before.dtype == buffer.dtype:
                 if not torch.equal(buffer, before.to(buffer.device, non_blocking=True)):
