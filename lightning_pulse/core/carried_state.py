@@ -599,7 +599,7 @@ def _python_state(name: str, value: Any) -> bool:
 
 
 @contextmanager
-def kept_buffers(module: nn.Module) -> Iterator[None]:
+def kept_buffers(module: nn.Module, written_only: bool = False) -> Iterator[None]:
     """Give back, on exit, every buffer of ``module`` as it was on entry: the same tensor object, with its
     entry values where something wrote into it (its version counter, or its values where a write through
     ``.data`` or a custom kernel left the counter alone); a buffer registered inside stays (a lazy setup at
@@ -609,7 +609,11 @@ def kept_buffers(module: nn.Module) -> Iterator[None]:
     anyway (a test-time normaliser's ``self.mean.lerp_(...)``) or a ``validation_step`` that counts samples
     in a buffer (``self.seen += len(x)``) would otherwise carry the evaluation into training and into the
     real validation. A copy of every buffer, on its device, per evaluation: a model holding buffers of
-    gigabytes (a retrieval datastore, a large queue) needs that much memory free during the probe."""
+    gigabytes (a retrieval datastore, a large queue) needs that much memory free during the probe.
+
+    ``written_only``: give back only what was written in place, at its entry shape; a buffer replaced by
+    another tensor or reshaped stays as it is now (structured pruning's trial cut: the cut replaces a cut
+    layer's buffers, while the trace's forward writes a fake quantizer's observer in place)."""
     saved = [
         (owner, name, buffer, buffer._version, buffer.clone())
         for owner in module.modules()
@@ -622,6 +626,8 @@ def kept_buffers(module: nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for owner, name, buffer, version, copy in saved:
+                if written_only and (owner._buffers.get(name) is not buffer or buffer.shape != copy.shape):
+                    continue
                 # a write through ``.data`` or a custom kernel bumps no version counter: compare values too
                 unchanged = buffer.shape == copy.shape and torch.equal(buffer, copy)
                 if buffer._version != version or not unchanged:

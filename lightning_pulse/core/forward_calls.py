@@ -204,6 +204,34 @@ class ForwardCalls:
 
         return own_read
 
+    def enclosing_reader(
+        self, units: Sequence[FreezeUnit], root: nn.Module
+    ) -> Callable[[nn.Parameter, Mapping[str, Sequence[int | None]]], str | None]:
+        """A test naming, for a parameter of ``units`` whose reads :meth:`own_reads` did not find inside its
+        own unit's forward, the innermost module above its own (not ``root``) inside whose calls every read
+        was made: a layer whose forward reads its child's parameter (a user's fused Conv-BN folding
+        ``bn.weight`` into its weight), split into units by the automatic split. ``None`` when there is none
+        (the parameter is read by another layer: a tie without a second name), or when that module holds
+        every unit (the whole model's forward doing a tied output projection: a tie too)."""
+        modules = dict(root.named_modules())
+        names = {id(param): name for unit in units for name, param in zip(unit.param_names, unit.params)}
+        everything = [name for unit in units for name in unit.param_names]
+
+        def reader(param: nn.Parameter, reads: Mapping[str, Sequence[int | None]]) -> str | None:
+            name = names.get(id(param))
+            numbers = [number for found in reads.values() for number in found]
+            if name is None or not numbers or None in numbers:
+                return None
+            for prefix in _prefixes(name)[1:-1]:  # above the parameter's own module, below the root
+                module = modules.get(prefix)
+                if module is None or all(held.startswith(prefix + ".") for held in everything):
+                    continue
+                if all(self._call_holding(module, n) is not None for n in numbers):
+                    return prefix
+            return None
+
+        return reader
+
 
 def _prefixes(name: str) -> list[str]:
     """The names of the modules holding the parameter ``name``, innermost first: ``a.b.w`` -> ``a.b``, ``a``,

@@ -521,6 +521,20 @@ def _explicit_units(root: nn.Module, module_names: Sequence[str], all_names: lis
     return units
 
 
+def whole_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a torch layer holding trainable parameters of its own next to children that hold
+    some: its forward reads theirs with its own, so the automatic split keeps it one unit. Torch's fused
+    Conv-BN QAT modules (``fuse_modules_qat`` + ``prepare_qat``: ``ConvBnReLU1d`` folds ``bn.weight`` into its
+    weight before calling ``bn``), ``nn.MultiheadAttention`` (``out_proj.weight``), a QAT layer with a
+    learnable fake quantizer (``weight_fake_quant.scale``). Split, its child became a unit whose weight the
+    parent's forward reads again: pinned as a tie, and, first in forward order, nothing froze; or the frozen
+    prefix ended inside the layer."""
+    if not type(module).__module__.startswith("torch."):
+        return False
+    own = any(param.requires_grad for param in module.parameters(recurse=False))
+    return own and any(param.requires_grad for child in module.children() for param in child.parameters())
+
+
 def _split(root: nn.Module, named: Mapping[str, nn.Parameter], min_units: int) -> list[str]:
     all_names = list(named)
 
@@ -545,7 +559,7 @@ def _split(root: nn.Module, named: Mapping[str, nn.Parameter], min_units: int) -
         candidates = [
             (size(name), index)
             for index, (name, module) in enumerate(pieces)
-            if module is not None and any(True for _ in module.children())
+            if module is not None and any(True for _ in module.children()) and not whole_layer(module)
         ]
         if not candidates or (len(pieces) >= min_units and len(pieces) > 1):
             break

@@ -436,6 +436,23 @@ class LayerFreezer:
         first = self.units[0] if self.units and self.freezable_limit else None
         if first is None or not first.pinned:
             return None
+        said = ", ".join(first.shared_with)
+        if READ_BY_PARENT in said:
+            parent = said.partition(READ_BY_PARENT)[2].strip().partition(" (")[0]
+            return (
+                f"the first unit in forward order, {first.name}, has {said.strip('<>')}: that forward reads "
+                f"the unit's parameter with its own (a fused layer folding its child's weight into its "
+                "own), and the automatic split divided it, so freezing the unit alone would stop a read the "
+                f"rest of {parent} trains through, and nothing can be frozen; name {parent} as one entry "
+                "in `units` to let it freeze as a whole"
+            )
+        if "<its weight read again outside its own forward" in said:
+            return (
+                f"the first unit in forward order, {first.name}, shares {said.strip('<>')}: another layer "
+                "reads it too (a tie without a second name, as an output projection `F.linear(h, embed.weight)` "
+                "reading the embedding's weight), so nothing can be frozen without stopping that read; give "
+                "that layer its own weight (Hugging Face: `tie_word_embeddings=False`) to let it freeze"
+            )
         return (
             f"the first unit in forward order, {first.name}, shares a parameter with "
             f"{', '.join(first.shared_with)} (a tied input and output layer), so nothing can be frozen without "
@@ -1400,7 +1417,10 @@ class FreezerLifecycle:
                 for unit in self.units:
                     unit.differentiated = how.get(unit.name, "")
             self._calls.close()
-            pin_read_twice(self.units, check_first_graph(loss), own_read)
+            reader = (
+                self._calls.enclosing_reader(self.units, self._model) if self._model is not None else None
+            )
+            pin_read_twice(self.units, check_first_graph(loss), own_read, reader)
             if self._scan is not None:
                 self._scan.finish()
             named = dict(self._model.named_parameters()) if self._model is not None else {}
@@ -2061,14 +2081,18 @@ def pin_read_twice(
     units: Sequence[FreezeUnit],
     read_twice: Mapping[int, Mapping[str, Sequence[int | None]]],
     own_read: Callable[[nn.Parameter, Mapping[str, Sequence[int | None]]], bool] | None = None,
+    reader: Callable[[nn.Parameter, Mapping[str, Sequence[int | None]]], str | None] | None = None,
 ) -> None:
     """Pin the units holding a parameter :func:`check_first_graph` found read by ops of different kinds,
     unless ``own_read`` (:meth:`~lightning_pulse.core.forward_calls.ForwardCalls.own_reads`) finds every one
     of those reads inside calls of the parameter's own unit's forward, each call reading it by every kind:
     spectral norm's ``W / sigma`` with ``sigma = u . (W v)``, weight standardisation's
-    ``(w - mean(w)) / std(w)``, which freezing the unit stops together."""
+    ``(w - mean(w)) / std(w)``, which freezing the unit stops together. ``reader``
+    (:meth:`~lightning_pulse.core.forward_calls.ForwardCalls.enclosing_reader`) names the module above the
+    unit whose forward made every read, for the pin to say so (:data:`READ_BY_PARENT`) instead of a tie."""
     for unit in units:
         kinds: set[str] = set()
+        parents: set[str] = set()
         for param in unit.params:
             # a node of a backward formula (ConvolutionBackwardBackward0: a `create_graph=True` derivative)
             # reads the weight of the op it differentiates: that op's read, not another layer's
@@ -2077,10 +2101,21 @@ def pin_read_twice(
             }
             if len(reads) > 1 and (own_read is None or not own_read(param, reads)):
                 kinds.update(reads)
+                parent = reader(param, reads) if reader is not None else None
+                if parent is not None:
+                    parents.add(parent)
         if kinds and not unit.pinned:
+            ops = ", ".join(sorted(kinds))
             unit.shared_with = [
-                f"<its weight read again outside its own forward ({', '.join(sorted(kinds))})>"
+                f"<{READ_BY_PARENT} {', '.join(sorted(parents))} ({ops})>"
+                if parents
+                else f"<its weight read again outside its own forward ({ops})>"
             ]
+
+
+#: how a pin names a unit's parameter read again by the forward of a module holding the unit
+#: (:func:`pin_read_twice`): a layer whose forward reads its child's weight, split by the automatic split
+READ_BY_PARENT = "its weight read again by the forward of the module holding it,"
 
 
 def _derivative(kind: str) -> bool:

@@ -903,6 +903,9 @@ def refuse_structured(reason: str | None, model: nn.Module | None = None) -> Non
         pruning.FROZEN_AND_UNCUTTABLE: "Use mode='unstructured'.",
         pruning.CALLED_MORE_THAN_ONCE: "Use mode='unstructured' (one mask serves every call of a shared "
         "weight), or give each call its own module (weights not shared) to cut them with mode='structured'.",
+        pruning.SHARED_LEFT_OUT: "Give each layer its own weight (`b.weight = nn.Parameter(a.weight.detach()"
+        ".clone())`; untie a tied embedding and output layer) to cut them with mode='structured', or use "
+        "mode='unstructured' (one mask serves every owner of a shared weight).",
         pruning.UNCUT_BUFFER: "Leave that layer out with `exclude_pattern`, use mode='unstructured' (it keeps "
         "every shape), or keep the copy outside the module, in a callback that follows each cut "
         "(`on_pulse_parameters_replaced` is given the cut parameters, their shapes before the cut and the "

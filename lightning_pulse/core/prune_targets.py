@@ -237,6 +237,17 @@ def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
     return owners
 
 
+def shared_parameters_of(model: nn.Module, names: Collection[str]) -> dict[str, list[str]]:
+    """The parameters the modules ``names`` hold that another module (or attribute) holds too: the first
+    qualified name of each -> every qualified name holding it."""
+    names = set(names)
+    return {
+        owners[0]: owners
+        for owners in parameter_owners(model).values()
+        if len(owners) > 1 and any(owner.rpartition(".")[0] in names for owner in owners)
+    }
+
+
 def shared_parameter_modules(model: nn.Module) -> set[nn.Module]:
     """Modules holding a parameter that another module (or another attribute) holds too."""
     modules = dict(model.named_modules())
@@ -276,6 +287,9 @@ class LayerSelection:
 
 #: why a layer whose ``weight`` is computed at every read is never pruned (:func:`computes_its_weight`)
 COMPUTED_WEIGHT = "its weight is computed by a parametrization (weight_norm, spectral_norm...)"
+
+#: why structured pruning leaves out a layer holding a parameter another module holds too (a tie)
+SHARED_PARAMETER = "holds a parameter that another module holds too; cutting it cuts one owner"
 
 #: why a layer whose ``weight`` the user froze is never pruned (:func:`frozen_layers`)
 FROZEN_BY_USER = "frozen by the user (`requires_grad=False`)"
@@ -344,9 +358,7 @@ def select_targets(
     if structured:
         shared = shared_parameter_modules(model)
         for name in [name for name, module in selection.layers.items() if module in shared]:
-            selection.left_out[name] = (
-                "holds a parameter that another module holds too; cutting it cuts one owner"
-            )
+            selection.left_out[name] = SHARED_PARAMETER
             del selection.layers[name]
     groups: dict[int, list[str]] = {}
     for name, module in selection.layers.items():

@@ -39,7 +39,7 @@ from torch.nn.utils import prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from lightning_pulse.core import prune_targets, prune_widths, user_hooks
-from lightning_pulse.core.carried_state import WEIGHT_HOOKS, hook_weight_name
+from lightning_pulse.core.carried_state import WEIGHT_HOOKS, hook_weight_name, kept_buffers
 from lightning_pulse.core.func_transforms import transform_active
 from lightning_pulse.core.prune_targets import LayerSelection, call_with
 from lightning_pulse.core.selection import take_samples
@@ -1505,9 +1505,29 @@ def check_structured(
         reason = _nothing_to_cut_with_frozen(model, pruner, sparsities, example) or reason
     if reason == NOTHING_TO_CUT:
         reason = (
-            _called_more_than_once(model, pruner, example) or _parametrized_left_out(model, pruner) or reason
+            _called_more_than_once(model, pruner, example)
+            or _parametrized_left_out(model, pruner)
+            or _shared_left_out(model, pruner)
+            or reason
         )
     return reason
+
+
+def _shared_left_out(model: nn.Module, pruner: Pruner) -> str | None:
+    """Why nothing could be cut when layers holding a parameter another module holds too (``b.weight =
+    a.weight``, an embedding tied to the output layer) are left out: they are named, with the shared
+    parameters and the way to let them be cut. ``None`` when there are none."""
+    left_out = [
+        name
+        for name, why in pruner.selection(model).left_out.items()
+        if why == prune_targets.SHARED_PARAMETER
+    ]
+    if not left_out:
+        return None
+    shared = prune_targets.shared_parameters_of(model, left_out)
+    ties = "; ".join(" = ".join(f"`{owner}`" for owner in owners) for owners in list(shared.values())[:3])
+    more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
+    return f"{SHARED_LEFT_OUT}: {first_names(left_out, 3)} ({ties}{more})"
 
 
 def _parametrized_left_out(model: nn.Module, pruner: Pruner) -> str | None:
@@ -1717,6 +1737,12 @@ UNTRACEABLE_OUTPUT = (
 LOSS_IN_OUTPUT = "the model's output holds its loss"
 #: the reason for a trial cut that cut nothing
 NOTHING_TO_CUT = "no channel group of the selected layers can be cut safely"
+#: the start of the reason for a trial cut that cut nothing while selected layers hold a shared parameter
+SHARED_LEFT_OUT = (
+    f"{NOTHING_TO_CUT}: a layer holding a parameter that another module holds too is left out (a cut of one "
+    "owner would leave the other with a weight of the wrong shape), and so is every channel group that would "
+    "cut it"
+)
 #: the start of the reason for a trial cut that cut nothing while selected layers run more than once per
 #: forward
 CALLED_MORE_THAN_ONCE = (
@@ -2424,7 +2450,10 @@ def _dry_run(
             for sparsity in sparsities:
                 uncut = copy_without_hooks(duplicate, keep_user_hooks=True)  # user hooks shared, not copied
                 names = {id(parameter): name for name, parameter in duplicate.named_parameters()}
-                remap = trial.prune(duplicate, sparsity, (), example).remap
+                # the cut model runs from the state the reference copy holds: the trace's forward writes
+                # what a forward writes (a fake quantizer's observer, in eval mode too), given back here
+                with kept_buffers(duplicate, written_only=True):
+                    remap = trial.prune(duplicate, sparsity, (), example).remap
                 with torch.no_grad():
                     _same_draws(duplicate)  # the reference draws the same numbers (a random mask in forward)
                     output = call_with(duplicate, inputs)
@@ -2559,8 +2588,10 @@ def _changed_function(
     take other channels, a reshape over the cut channels, a consumer the trace missed.
 
     Both models run from the same random state (:func:`_same_draws`, as ``output`` did): a forward that draws
-    from torch's generators (ViTMAE's random patch mask, in eval mode too) draws the same numbers in both. A
-    forward that differs between two calls of the uncut model even so is said to be not deterministic.
+    from torch's generators (ViTMAE's random patch mask, in eval mode too) draws the same numbers in both, and
+    from the same buffers: what the first call writes in place (a fake quantizer's observer, in eval mode
+    too) is given back (:func:`kept_buffers`), as the trial cut gives back what its trace wrote. A forward
+    that differs between two calls of the uncut model even so is said to be not deterministic.
     """
     modules = dict(uncut.named_modules())
     parameters = dict(uncut.named_parameters())
@@ -2586,7 +2617,8 @@ def _changed_function(
     again = None
     try:
         _same_draws(uncut)
-        expected = _floating_tensors(call_with(uncut, inputs))
+        with kept_buffers(uncut):  # the second call starts where the first did (an observer's statistics)
+            expected = _floating_tensors(call_with(uncut, inputs))
         moved = _largest_difference(_floating_tensors(output), expected)
         if moved is not None:
             _same_draws(uncut)
@@ -2600,8 +2632,8 @@ def _changed_function(
         return (
             "cannot be checked: two calls of the uncut model on the same input, from the same state of "
             f"torch's random generators, differ by up to {again:.3g}, so its forward is not deterministic "
-            "(it draws from a generator of its own, numpy's or Python's, or uses a nondeterministic "
-            "kernel), and what the cut model computes has nothing to be compared with; make the forward "
+            "(it draws from a generator of its own, numpy's or Python's, writes a parameter of its own in "
+            "forward, or uses a nondeterministic kernel), and what the cut model computes has nothing to be compared with; make the forward "
             "deterministic in eval mode (torch's global generators are fine), e.g. by passing its random "
             "inputs in the batch"
         )
