@@ -11,11 +11,13 @@ front of it by :func:`entry_named`.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
 import re
 import sys
+import typing
 from typing import Any
 
 #: the keys jsonargparse reads in a mapping that names a class
@@ -126,6 +128,52 @@ def _options(cls: type) -> list[str] | None:
     return [p.name for p in parameters if p.kind != p.POSITIONAL_ONLY]
 
 
+def _field_class(cls: type, name: str) -> type | None:
+    """The one class annotating ``cls``'s option ``name`` (``X`` of ``X | None``), or ``None``."""
+    try:
+        hint = typing.get_type_hints(cls.__init__).get(name)
+    except Exception:  # an annotation that does not evaluate: nothing certain to say
+        return None
+    classes = [arg for arg in (typing.get_args(hint) or (hint,)) if arg is not type(None)]
+    return classes[0] if len(classes) == 1 and isinstance(classes[0], type) else None
+
+
+def _nested_options(cls: type, name: str, given: Any) -> tuple[str, list[str], dict] | None:
+    """``(class name, its options, the keys given)`` of the nested config that the mapping ``given`` to
+    ``cls``'s option ``name`` holds: a dataclass's fields (EnergyLogger's ``meters``), or the options of the
+    class_path given to a class-typed option (HardSampleReplay's ``scorer``); ``None`` otherwise."""
+    field_class = _field_class(cls, name) if isinstance(given, dict) else None
+    if field_class is None:
+        return None
+    if dataclasses.is_dataclass(field_class):
+        return field_class.__name__, [f.name for f in dataclasses.fields(field_class) if f.init], given
+    path, init_args = given.get("class_path"), given.get("init_args")
+    if not isinstance(path, str) or "." not in path or not isinstance(init_args, dict):
+        return None
+    sub, reason = _resolve(path)
+    if reason is not None or not (isinstance(sub, type) and issubclass(sub, field_class)):
+        return None
+    options = _options(sub)
+    return (sub.__name__, options, init_args) if options else None
+
+
+def _nested_problem(cls: type, init_args: dict) -> str | None:
+    """The sentence for the first key of a nested config in ``init_args`` that its class does not take, with
+    the field path (``meters.sampling_perod``) and the closest option."""
+    for name, given in init_args.items():
+        nested = _nested_options(cls, str(name), given)
+        if nested is None:
+            continue
+        config, options, keys = nested
+        for key in keys:
+            if key not in options:
+                return (
+                    f"`{name}.{key}` is not accepted{_did_you_mean(str(key), options)}; `{name}` takes "
+                    f"{config}'s options: {', '.join(options)}"
+                )
+    return None
+
+
 def _entry_problem(entry: Any) -> tuple[str, str] | None:
     """``(class name or "", what is wrong)`` for one entry, or ``None`` where nothing is certainly wrong."""
     if isinstance(entry, str):
@@ -177,7 +225,8 @@ def _entry_problem(entry: Any) -> tuple[str, str] | None:
     for key in init_args:
         if key not in options:
             return name, f"Option {key!r} is not accepted{_did_you_mean(str(key), options)}{shown}"
-    return None
+    nested = _nested_problem(cls, init_args)
+    return None if nested is None else (name, nested)
 
 
 def _where(field: str, index: int | None, name: str) -> str:
@@ -225,3 +274,31 @@ def entry_named(field: str, value: Any, summary: str) -> str:
     if index is None:
         return summary
     return f"`{field}{f'[{index}]' if isinstance(value, list) else ''}` {summary}"
+
+
+def nested_named(field: str, value: Any, summary: str) -> str:
+    """``summary``, the parser's sentence about a field of a nested config (``"MeterConfig: `gpu_devices`=0
+    ..."``, ``"`loss`='x' ..."`` of a scorer's class), said of the one entry whose option holds that config:
+    ``"`trainer.callbacks[i]` EnergyLogger: `meters.gpu_devices`=0 ..."``; else ``summary`` unchanged."""
+    match = re.fullmatch(r"(?:(\w+): )?(?:(\w+): )?`(\w+)`(=.*)", summary, re.S)
+    if match is None:
+        return summary
+    callback, config = (match.group(1), match.group(2)) if match.group(2) else (None, match.group(1))
+    key, rest = match.group(3), match.group(4)
+    entries = value if isinstance(value, list) else [value]
+    found = []
+    for index, entry in enumerate(entries):
+        if not (isinstance(entry, dict) and isinstance(entry.get("init_args"), dict)):
+            continue
+        path = entry.get("class_path")
+        cls = _resolve(path)[0] if isinstance(path, str) else None
+        if not isinstance(cls, type) or callback not in (None, cls.__name__):
+            continue
+        for name, given in entry["init_args"].items():
+            nested = _nested_options(cls, str(name), given)
+            if nested is not None and key in nested[2] and config in (None, nested[0]):
+                found.append((index, cls.__name__, name))
+    if len(found) != 1:
+        return summary
+    index, owner, name = found[0]
+    return f"`{field}{f'[{index}]' if isinstance(value, list) else ''}` {owner}: `{name}.{key}`{rest}"

@@ -34,7 +34,13 @@ from typing import Any, NoReturn
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_pulse._callback_entries import callback_entries, entries_problem, entry_about, entry_named
+from lightning_pulse._callback_entries import (
+    callback_entries,
+    entries_problem,
+    entry_about,
+    entry_named,
+    nested_named,
+)
 from lightning_pulse.errors import pulse_class
 
 #: set to 1 for the full tracebacks and jsonargparse's whole report instead of one-line errors
@@ -83,7 +89,9 @@ def _accepted_options(class_path: str) -> list[str]:
         cls = getattr(
             sys.modules.get(module_name) or __import__(module_name, fromlist=[class_name]), class_name
         )
-        return [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        # `*args`, `**kwargs` (an abstract base's) are no option a user can write
+        return [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     except Exception:  # the summary must never fail where the full report would not
         return []
 
@@ -215,12 +223,15 @@ def _import_failure(block: list[str], unimportable: dict[str, str]) -> str | Non
     return None
 
 
-def _expected_class(block: list[str]) -> tuple[str, bool] | None:
+def _expected_class(block: list[str], refused_anyway: bool = False) -> tuple[str, bool] | None:
     """What a class-typed field (HardSampleReplay's ``scorer``, ``trainer.callbacks``) takes when its value
-    named no subclass of its type, or a class_path that does not import: the type, with the library's own
-    subclasses by class path, and whether null is allowed; ``None`` for other fields."""
+    named no subclass of its type, or a class_path that does not import (or, ``refused_anyway``, was a mapping
+    of options its type, which takes none by name, refused): the type, with the library's own subclasses by
+    class path, and whether null is allowed; ``None`` for other fields."""
     refused = ("Import path", "Not a valid subclass of", "Expected a dot import path string")
-    if not any(line.startswith(refused) or _IMPORT_FAILURE.fullmatch(line) for line in block):
+    if not refused_anyway and not any(
+        line.startswith(refused) or _IMPORT_FAILURE.fullmatch(line) for line in block
+    ):
         return None
     subtypes = next((line for line in block if line.startswith("Subtypes:")), "")
     for path in re.findall(r"<class '([\w.]+)'>", subtypes):
@@ -348,6 +359,15 @@ def summarise_parser_error(message: str) -> str:
         options = _accepted_options(class_paths[-1])
         if options:
             sentence += f"; {class_paths[-1].rpartition('.')[2]} accepts: {', '.join(options)}"
+        elif key is not None and (typed := _expected_class(block, refused_anyway=True)) is not None:
+            # a mapping of a subclass's options with no class_path: its base type (a PerSampleScorer, whose
+            # `*args, **kwargs` name no option) was tried; the field's class is the one to name
+            allowed, nullable = typed
+            outer = f"{class_paths[-2].rpartition('.')[2]}: " if len(class_paths) > 1 else ""
+            return (
+                f"{outer}`{key}`={value} is not accepted; expected {allowed} with its options under init_args"
+                f"{', or null' if nullable else ''}."
+            )
     return f"{owner}{sentence}"
 
 
@@ -383,6 +403,8 @@ class PulseArgumentParser(LightningArgumentParser):
         summary = summarise_parser_error(message)
         if "trainer.callbacks" in message:
             summary = self._naming_the_callback_entry(summary)
+        elif (built := _CALLBACKS_BUILT.get()) is not None:  # a nested config's constructor refused a value
+            summary = nested_named("trainer.callbacks", built, summary)
         if message.startswith("Problems parsing config"):  # YAML that does not parse: where, in which file
             summary = _where_yaml_breaks(summary, _COMMAND_LINE.get())
         sys.stderr.write(f"error: {summary}\n")
@@ -396,7 +418,8 @@ class PulseArgumentParser(LightningArgumentParser):
         """For a refusal of ``trainer.callbacks`` in the config being read: the first entry that is certainly
         no callback, by index and class, with its bad key or value, what is allowed and the closest accepted
         name; else ``summary`` (the parser's own sentence, e.g. on a wrong-typed value) with the entry it is
-        about named in front where one entry is that class given that option."""
+        about named in front where one entry is that class given that option, or, for a field of a nested
+        config (``meters``, a scorer's init_args), with the entry, its class and the field's path."""
         import yaml
 
         content = _CONFIG_BEING_READ.get()
@@ -413,7 +436,10 @@ class PulseArgumentParser(LightningArgumentParser):
         # the parser stopped at the entry its sentence is about: that entry's problem, or the sentence named;
         # else the first entry certainly wrong
         problem = entries_problem(*found, only=entry_about(found[1], summary))
-        return entry_named(*found, summary) if problem is None else problem
+        if problem is not None:
+            return problem
+        named = entry_named(*found, summary)
+        return nested_named(*found, summary) if named == summary else named
 
 
 def _where_yaml_breaks(summary: str, args: Sequence[str]) -> str:
@@ -454,6 +480,8 @@ def _callbacks_on_the_command_line(args: Sequence[str]) -> str | None:
 _COMMAND_LINE: ContextVar[tuple[str, ...]] = ContextVar("lightning_pulse_command_line", default=())
 #: the text of the config file (or string) the parser is reading, while it reads it
 _CONFIG_BEING_READ: ContextVar[str | None] = ContextVar("lightning_pulse_config_being_read", default=None)
+#: ``trainer.callbacks`` as parsed (plain data), while a refusal raised building them is reported
+_CALLBACKS_BUILT: ContextVar[Any] = ContextVar("lightning_pulse_callbacks_built", default=None)
 
 
 def _raised_by(error: BaseException) -> str:
@@ -499,13 +527,33 @@ class PulseCLI(LightningCLI):
         except (ValueError, TypeError) as error:
             owner = _raised_by(error)
             text = str(error)
-            self.parser.error(f"{owner}: {text}" if owner and not text.startswith(owner) else text)
+            # a refusal inside a nested config (`distill`, a scorer's init_args): named by the entry holding it
+            token = _CALLBACKS_BUILT.set(self._callbacks_as_given())
+            try:
+                self.parser.error(f"{owner}: {text}" if owner and not text.startswith(owner) else text)
+            finally:
+                _CALLBACKS_BUILT.reset(token)
         except RuntimeError as error:
             duplicated = re.search(r"more than one stateful callback of type `(\w+)`", str(error))
             if duplicated is None:
                 raise
             self.parser.error(_duplicated_callback(duplicated.group(1), self._given_callbacks()))
         self._seed_lines.release()  # the classes are built: the seed lines follow, before training
+
+    def _callbacks_as_given(self) -> Any:
+        """``trainer.callbacks`` of the parsed config as plain data (mappings, lists), or ``None``."""
+        key = f"{self.subcommand}.trainer.callbacks" if self.subcommand else "trainer.callbacks"
+        try:
+            given = self.config.get(key)
+        except Exception:  # the naming must never fail where the sentence would not
+            return None
+
+        def plain(value: Any) -> Any:
+            if hasattr(value, "as_dict"):
+                return value.as_dict()
+            return [plain(item) for item in value] if isinstance(value, list) else value
+
+        return plain(given)
 
     def _given_callbacks(self) -> list[Any]:
         """The callbacks built from ``trainer.callbacks`` (one or a list)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn.parameter import is_lazy
 
@@ -40,6 +41,19 @@ class PulseRefusal(MisconfigurationException):
     durations need a dataloader with a length; give the durations in steps or seconds instead."``. The
     ``lightning-pulse`` command prints it as one line (exit code 2) instead of a traceback.
     """
+
+
+def tell_no_report(error: BaseException, where: str, in_train_loop: bool) -> None:
+    """The EnergyLogger's info line for a fit that ``error`` stopped ``where`` (as its account says) with
+    nothing trained; none for a refusal or a misconfiguration before the first training batch (a
+    :class:`PulseRefusal` or Lightning's ``MisconfigurationException`` there, a ``ValueError`` or
+    ``TypeError`` before the training loop: at setup or fit start), whose own message says what stopped the
+    fit: the line before it only pushed it off the first line."""
+    refused = isinstance(error, MisconfigurationException) or (
+        isinstance(error, (ValueError, TypeError)) and not in_train_loop
+    )
+    if not (refused and where.startswith("before")):
+        rank_zero_info(f"EnergyLogger: the fit stopped {where}; no energy report.")
 
 
 class StabilityGuardError(RuntimeError):

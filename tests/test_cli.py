@@ -437,7 +437,8 @@ def test_a_wrong_typed_callback_option_on_the_command_line_names_the_field(tmp_p
                 "class_path": "lightning_pulse.EnergyLogger",
                 "init_args": {"accounting": {"token_counter": "len"}},
             },
-            "error: AccountingConfig: `token_counter`=len is not accepted; expected the dot import path of a "
+            "error: `trainer.callbacks[0]` EnergyLogger: `accounting.token_counter`=len is not accepted; "
+            "expected the dot import path of a "
             "function (package.module.function, here builtins.len), or null.",
         ),
         (
@@ -556,10 +557,13 @@ def test_a_bad_distill_value_in_yaml_names_its_config_as_the_other_nested_config
         firsts.append(
             _first_error_line(capsys, ["fit", "--config", _pulse_config_with_callbacks(tmp_path, callbacks)])
         )
-    owner = "ScheduledPrune: " if last else ""
-    assert firsts[0] == f"error: {owner}DistillConfig: `weight`=-1.0 must be a positive finite number."
+    # sweep D: now named as a wrong-typed or unknown nested key is, wherever the entry is in the list
+    entry = "`trainer.callbacks[1]`" if last else "`trainer.callbacks[0]`"
+    assert (
+        firsts[0] == f"error: {entry} ScheduledPrune: `distill.weight`=-1.0 must be a positive finite number."
+    )
     assert firsts[1].startswith(
-        f"error: {owner.replace('ScheduledPrune', 'StabilityGuard')}StabilityGuardConfig: "
+        f"error: {entry} StabilityGuard: `config.min_ratio`=20.0 must be a number in "
     )
 
 
@@ -875,3 +879,132 @@ def test_a_config_that_is_no_yaml_is_named_with_its_line_and_column(tmp_path, ca
     line = _first_error_line(capsys, ["fit", "--config", str(broken)])
     assert line.startswith("error: Problems parsing config: mapping values are not allowed"), line
     assert line.endswith(f"({broken}, line {at + 1}, column 14)."), line  # at the line's second colon
+
+
+def test_a_scorer_mapping_without_class_path_names_the_field_and_asks_for_the_class_path(tmp_path, capsys):
+    # sweep D: ForwardLossScorer's options with the class_path forgotten read "PerSampleScorer: Option 'loss'
+    # is not accepted; PerSampleScorer accepts: args, kwargs" (the abstract base's *args, **kwargs), naming
+    # neither HardSampleReplay nor `scorer`, and a way out that does not work
+    for scorer in ({"loss": "cross_entropy", "input": 0, "target": 1}, {"a": 1}):
+        callback = {"class_path": "lightning_pulse.HardSampleReplay", "init_args": {"scorer": scorer}}
+        config = _pulse_config_with_callbacks(tmp_path, [callback])
+        first = _first_error_line(capsys, ["fit", "--config", config])
+        assert first.startswith(
+            f"error: `trainer.callbacks[0]` HardSampleReplay: `scorer`={dict(sorted(scorer.items()))} is not accepted; "
+            "expected the "
+            "class_path of a PerSampleScorer (lightning_pulse.core.per_sample_loss."
+        ), first
+        assert first.endswith("or a subclass of your own) with its options under init_args, or null."), first
+        assert "args, kwargs" not in first
+
+
+_NESTED_TYPOS = [
+    (
+        "EnergyLogger",
+        {"meters": {"sampling_perod": 1}},
+        "meters.sampling_perod",
+        "sampling_period",
+        "MeterConfig",
+    ),
+    ("EnergyLogger", {"accounting": {"progres_bar": True}}, "accounting.progres_bar", "progress_bar", ""),
+    (
+        "StabilityGuard",
+        {"config": {"min_ration": 2}},
+        "config.min_ration",
+        "min_ratio",
+        "StabilityGuardConfig",
+    ),
+    ("ScheduledPrune", {"options": {"cadense": "steps"}}, "options.cadense", "cadence", "PruneOptions"),
+    ("ScheduledPrune", {"distill": {"wieght": 1.0}}, "distill.wieght", "weight", "DistillConfig"),
+    (
+        "GreenWindow",
+        {"signal": GRID, "options": {"slott": "1h"}},
+        "options.slott",
+        "slot",
+        "GreenWindowOptions",
+    ),
+    (
+        "HardSampleReplay",
+        {
+            "scorer": {
+                "class_path": "lightning_pulse.core.per_sample_loss.ForwardLossScorer",
+                "init_args": {"los": "cross_entropy"},
+            }
+        },
+        "scorer.los",
+        "loss",
+        "ForwardLossScorer",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("callback", "init_args", "path", "meant", "config_class"),
+    _NESTED_TYPOS,
+    ids=[c[2] for c in _NESTED_TYPOS],
+)
+@pytest.mark.parametrize("position", [0, 1], ids=["first", "second"])
+def test_a_typo_inside_a_nested_config_names_the_entry_the_field_path_and_the_closest_option(
+    tmp_path, capsys, callback, init_args, path, meant, config_class, position
+):
+    # sweep D: "MeterConfig: Option 'sampling_perod' is not accepted; MeterConfig accepts: ..." named neither
+    # the entry, the callback nor `meters`, and had no "did you mean" (a top-level typo has all of them)
+    entry = {"class_path": f"lightning_pulse.{callback}", "init_args": init_args}
+    callbacks = [entry, {"class_path": "lightning_pulse.PulseCycle"}]
+    callbacks = callbacks if position == 0 else callbacks[::-1]
+    first = _first_error_line(capsys, ["fit", "--config", _pulse_config_with_callbacks(tmp_path, callbacks)])
+    field = path.partition(".")[0]
+    assert first.startswith(
+        f"error: `trainer.callbacks[{position}]` {callback}: `{path}` is not accepted (did you mean {meant}?); "
+        f"`{field}` takes {config_class or 'AccountingConfig'}'s options: "
+    ), first
+    assert f" {meant}," in first or first.endswith(f" {meant}.")
+
+
+@pytest.mark.parametrize(
+    ("callback", "init_args", "expected"),
+    [
+        (
+            "EnergyLogger",
+            {"accounting": {"progress_bar": "maybe"}},
+            "EnergyLogger: `accounting.progress_bar`=maybe is not accepted; expected bool.",
+        ),
+        (
+            "EnergyLogger",
+            {"meters": {"gpu_devices": 0}},
+            "EnergyLogger: `meters.gpu_devices`=0 is not accepted; expected a list (in YAML, [0] for a single",
+        ),
+        (
+            "StabilityGuard",
+            {"config": {"rewind_lr_schedule": "maybe"}},
+            "StabilityGuard: `config.rewind_lr_schedule`=maybe is not accepted; expected bool.",
+        ),
+        (
+            "ScheduledPrune",
+            {"options": {"make_permanent": "maybe"}},
+            "ScheduledPrune: `options.make_permanent`=maybe is not accepted; expected bool.",
+        ),
+        (
+            "HardSampleReplay",
+            {
+                "scorer": {
+                    "class_path": "lightning_pulse.core.per_sample_loss.ForwardLossScorer",
+                    "init_args": {"loss": "cross_entropi"},
+                }
+            },
+            "HardSampleReplay: `scorer.loss`='cross_entropi' is not one of ['cross_entropy', ",
+        ),
+    ],
+    ids=["accounting", "meters", "config", "options", "scorer-loss"],
+)
+def test_a_wrong_value_inside_a_nested_config_names_the_entry_and_the_field_path(
+    tmp_path, capsys, callback, init_args, expected
+):
+    # sweep D: "AccountingConfig: `progress_bar`=maybe is not accepted; expected bool." and "`loss`=
+    # 'cross_entropi' is not one of [...]" named neither the callback nor the field holding the config
+    callbacks = [{"class_path": "lightning_pulse.PulseCycle"}]
+    callbacks.append({"class_path": f"lightning_pulse.{callback}", "init_args": init_args})
+    first = _first_error_line(capsys, ["fit", "--config", _pulse_config_with_callbacks(tmp_path, callbacks)])
+    assert first.startswith(f"error: `trainer.callbacks[1]` {expected}"), first
+    if callback == "HardSampleReplay":
+        assert first.endswith("(did you mean cross_entropy?)."), first

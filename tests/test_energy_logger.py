@@ -17,6 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
@@ -26,6 +27,7 @@ from lightning_pulse.energy.config import AccountingConfig, MeterConfig
 from lightning_pulse.energy.meter import ESTIMATED, MEASURED, NONE, PARTIAL
 from lightning_pulse.energy.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME, render_report
 from lightning_pulse.energy.sampler import THREAD_NAME
+from lightning_pulse.errors import PulseRefusal
 from tests.conftest import RecordingLogger, trainer_kwargs
 from tests.test_energy_meters import FakeGpu, fake_nvml, make_rapl_tree, set_energy  # noqa: F401
 
@@ -679,6 +681,42 @@ def test_a_fit_that_fails_in_its_first_batch_says_whether_it_trained(tmp_path, w
             "EnergyLogger: the fit stopped in its first training batch, before its backward (nothing "
             "trained); no energy report."
         ]
+
+
+class FailsAtFitStart(Callback):
+    """Listed after the EnergyLogger, it stops the fit before the training loop: a refusal (a PulseRefusal, a
+    bad Trainer setting), a ValueError in its setup, or a crash of another kind."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def on_fit_start(self, trainer, pl_module):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (PulseRefusal("Other: refuses this model; use another."), False),
+        (MisconfigurationException("a bad Trainer setting"), False),
+        (ValueError("`units` entry 'net.99' is no module"), False),
+        (TypeError("an option of the wrong type"), False),
+        (RuntimeError("CUDA error: out of memory"), True),
+    ],
+    ids=["pulse-refusal", "misconfiguration", "value-error", "type-error", "crash"],
+)
+def test_a_refusal_at_fit_start_is_not_preceded_by_the_no_report_line(tmp_path, caplog, error, said):
+    # sweep D: every fit-start refusal next to an EnergyLogger (as in every shipped pulse.yaml) was preceded
+    # by "EnergyLogger: the fit stopped before its first training batch; no energy report.", pushing the
+    # refusal off the first line and saying nothing it does not; a crash before the first batch keeps it
+    energy = EnergyLogger(cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.02, cpu_watts=5.0))
+    fit = trainer([energy, FailsAtFitStart(error)], default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO), pytest.raises(type(error)):
+        fit.fit(MNIST1DClassifier(arch="mlp"), data())
+    lines = [record.getMessage() for record in caplog.records if "EnergyLogger:" in record.getMessage()]
+    stopped = ["EnergyLogger: the fit stopped before its first training batch; no energy report."]
+    assert lines == (stopped if said else [])
+    assert energy.report is None and not list(tmp_path.rglob("energy_report*"))
 
 
 def test_a_failed_predict_says_nothing_about_a_fit(tmp_path, caplog):

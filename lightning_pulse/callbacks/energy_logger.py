@@ -43,7 +43,7 @@ from lightning_pulse.energy.config import (
     checked_configs,
     naming_energy_logger,
 )
-from lightning_pulse.errors import FitRestores, names_itself, refuse_unwritable_dir
+from lightning_pulse.errors import FitRestores, names_itself, refuse_unwritable_dir, tell_no_report
 from lightning_pulse.loggers import log_closed_epoch, log_to_loggers, logger_run, run_folder
 
 
@@ -289,8 +289,8 @@ class EnergyLogger(compat.PulseStateKey, Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: BaseException) -> None:
         if trainer.state.fn != "fit":  # a failed validate, test or predict: EnergyLogger meters fits only
             return
-        if (where := self.account.interrupted()) is not None:  # no run to report on
-            return rank_zero_info(f"EnergyLogger: the fit stopped {where}; no energy report.")
+        if (where := self.account.interrupted()) is not None:  # no run to report on (a refusal says why)
+            return tell_no_report(error, where, self._in_train_loop)
         # collectives are not safe after an exception on one rank, so only a single process reports
         if self.account.ledger is not None and trainer.world_size == 1 and self.report is None:
             try:

@@ -229,8 +229,8 @@ class StabilityGuard(compat.PulseStateKey, Callback):
             record, step, loss, grad_norm, key, partial(self._flagged_step, trainer, pl_module), _warn_here
         )
         self.core.carry_out(action, record, self._changes, optimizer, self._keep_gradients)  # hold or skip
-        if action is not Action.APPLY and cause != "data":
-            rank_zero_info(self.core.flag_message(step, verdict, action, loss, grad_norm, key))
+        if action is not Action.APPLY and cause != "data":  # the first of a fit, then rollbacks and stops
+            self.core.say_flagged(rank_zero_info, step, verdict, action, loss, grad_norm, key)
 
     @override
     def on_train_batch_end(

@@ -43,6 +43,7 @@ capture started, a model that returns its loss), give a :class:`PerSampleScorer`
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import math
@@ -2235,7 +2236,9 @@ class ForwardLossScorer(PerSampleScorer):
         flatten_tokens: bool = False,
     ) -> None:
         if loss not in CAPTURED_LOSSES:
-            raise ValueError(f"`loss`={loss!r} is not one of {list(CAPTURED_LOSSES)}.")
+            close = difflib.get_close_matches(str(loss), CAPTURED_LOSSES, n=1, cutoff=0.6)
+            meant = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"`loss`={loss!r} is not one of {list(CAPTURED_LOSSES)}{meant}.")
         self.loss = loss
         self.input = input
         self.target = target

@@ -617,6 +617,7 @@ class StabilityCore:
         self.presumption_warned = False
         self.check_oom_warned = False  # the data check ran out of memory (said once a fit)
         self.rerun_failed_warned = False  # a snapshot test's re-run failed (said once a fit)
+        self.flag_lines = 0  # flagged steps this fit (:meth:`say_flagged`)
         # the buffers training forwards write, copied before each step: what a data fault's mend sets back
         self.pre_step = PreStepBuffers()
         self.mended_from_copy: list[str] = []  # the names the last mend set back from that copy
@@ -857,6 +858,7 @@ class StabilityCore:
         self.unchecked_data_faults, self.presumption_warned = 0, False
         self.check_oom_warned = False
         self.rerun_failed_warned = False
+        self.flag_lines = 0  # flagged steps this fit (:meth:`say_flagged`)
         self.level.start()
         (self.flagged_losses, self.flagged_scores), self.resumed_flagged = self.resumed_flagged, ({}, {})
         self.detector.held, self.before_step = None, None
@@ -1633,6 +1635,25 @@ class StabilityCore:
             loss = -loss
         return flag_message(step, verdict, action, loss, grad_norm, key, self.detector, self.maximized)
 
+    def say_flagged(
+        self,
+        say: Callable[[str], Any],
+        step: int,
+        verdict: Verdict,
+        action: Action,
+        loss: float | None,
+        grad_norm: float | None,
+        key: str,
+    ) -> None:
+        """``say`` the line of a flagged step (:meth:`flag_message`) for the first :data:`FLAG_LINES_PER_FIT`
+        of a fit, then :data:`FLAG_LINES_CAPPED` once, then only a rollback's or a stop's (a recurring fault
+        over a long run printed a line per flagged step)."""
+        self.flag_lines += 1
+        if self.flag_lines <= FLAG_LINES_PER_FIT or action in (Action.ROLLBACK, Action.STOP):
+            say(self.flag_message(step, verdict, action, loss, grad_norm, key))
+        elif self.flag_lines == FLAG_LINES_PER_FIT + 1:
+            say(FLAG_LINES_CAPPED)
+
     def _keep_before_step(self, step: int, counts: tuple[int, int] | None = None) -> None:
         """Keep what flagging optimizer step ``step`` changes in a checkpoint, as it was before (the detector's
         ``counts`` of losses it cannot judge, before the step's judgement; else they are taken back from the
@@ -1904,6 +1925,14 @@ def unjudged_loss_message(loss: float | None, maximized: bool = False) -> str:
         f"StabilityGuard: the loss is {fmt(loss)} <= 0, which a log scale cannot judge; loss spikes go "
         "unnoticed. Pass `config=StabilityGuardConfig(loss_scale='linear')` for such losses."
     )
+
+
+#: flagged-step lines printed in a fit before :data:`FLAG_LINES_CAPPED` (rollbacks and stops: always)
+FLAG_LINES_PER_FIT = 10
+FLAG_LINES_CAPPED = (
+    f"StabilityGuard: {FLAG_LINES_PER_FIT} flagged steps printed in this fit; further flagged steps are counted "
+    "in the logged stability/* metrics and the end-of-training line, and only rollbacks and stops are printed."
+)
 
 
 def flag_message(
