@@ -2297,9 +2297,15 @@ def restored_position(trainer: pl.Trainer, epoch_batches: int) -> tuple[int, int
 def restored_at_epoch_start(trainer: pl.Trainer) -> bool:
     """Whether a fit goes on at an epoch's start by the loops' restored epoch progress alone: saved in or after
     an epoch's end hooks, or with no epoch under way. Unlike :func:`restored_position` it reads no batch
-    count, which a checkpoint of another number of processes (other epoch lengths) counts otherwise."""
+    count, which a checkpoint of another number of processes (other epoch lengths) counts otherwise.
+
+    Under ``max_steps`` (iteration-based training) Lightning keeps its fit loop restarting even from an epoch's
+    end hooks (``FitLoop.restarting``), leaves the epoch open (``on_run_start`` syncs no ``completed``) and
+    goes on in it by the restored batch count against this fit's batches: not an epoch start then."""
     epochs = trainer.fit_loop.epoch_progress.current
-    return epochs.processed > epochs.completed or epochs.ready == epochs.completed
+    if epochs.ready == epochs.completed:
+        return True
+    return epochs.processed > epochs.completed and not trainer.fit_loop.restarting
 
 
 def samples_per_step(trainer: pl.Trainer) -> int | None:

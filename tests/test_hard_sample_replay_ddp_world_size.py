@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -65,13 +66,27 @@ class _Record(pl.Callback):
         Path(self.directory, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def _fit(directory: Path, ckpt: Path | None = None, devices: int = 1, strategy=None, **save) -> pl.Trainer:
+def _fit(
+    directory: Path,
+    ckpt: Path | None = None,
+    devices: int = 1,
+    strategy=None,
+    max_steps: int = -1,
+    every_epoch: bool = False,
+    **save,
+) -> pl.Trainer:
     directory.mkdir(exist_ok=True)
     pl.seed_everything(0)
     more = {} if strategy is None else {"devices": devices, "strategy": strategy}
+    saver = ModelCheckpoint(
+        dirpath=directory, filename="ep{epoch}", save_top_k=-1, save_on_train_epoch_end=True
+    )
+    if every_epoch:
+        more["enable_checkpointing"] = True
     trainer = pl.Trainer(
-        callbacks=[HardSampleReplay(), _Record(directory, **save)],
-        max_epochs=EPOCHS,
+        callbacks=[HardSampleReplay(), _Record(directory, **save)] + [saver] * every_epoch,
+        max_epochs=EPOCHS if max_steps == -1 else -1,
+        max_steps=max_steps,
         **trainer_kwargs(**more),
     )
     trainer.fit(_Mlp(), ckpt_path=ckpt)
@@ -123,6 +138,38 @@ def test_a_steps_plan_resumed_on_another_number_of_processes_plans_again_at_an_e
     assert _records(tmp_path / "back", 1)[0] == {"epochs": [2, 3], "step": 12 + 16}
     assert _stream(one / "epoch0.ckpt")["world_size"] == 1
     assert _stream(two / "epoch1.ckpt")["world_size"] == 2
+
+
+@pytest.mark.ddp
+def test_a_max_steps_run_resumed_on_another_number_of_processes_from_an_epoch_end_is_refused(tmp_path):
+    # under max_steps Lightning goes on from an epoch-end checkpoint inside that epoch, by its batch count: 2 -> 1
+    # from epoch 1's end (4 of this fit's 8 planned batches) re-entered epoch 1 for 4 batches and planned epoch 2
+    # again (25 of 64 samples trained twice); 1 -> 2 from epoch 0's end trained a batch in epoch 0 again and
+    # cut epoch 1 to 1 of its 4 batches; both said the plan was remade from the next epoch on
+    one = tmp_path / "one"
+    _fit(one, max_steps=48, every_epoch=True)
+    assert _records(one, 1)[0] == {"epochs": [0, 1, 2], "step": 24}
+    two = tmp_path / "two"
+    _fit(two, devices=2, strategy=TwoGlooProcesses(), max_steps=48, every_epoch=True)
+
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    with pytest.raises(Exception, match="HardSampleReplay"):
+        _fit(refused, one / "epepoch=0.ckpt", 2, TwoGlooProcessesRecordingErrors(str(refused)), max_steps=48)
+    for rank in (0, 1):
+        kind, message = json.loads((refused / f"rank{rank}-raised.json").read_text())
+        assert kind == "PulseRefusal" and "made on 1 process(es) and this fit runs on 2" in message
+        assert "max_steps" in message
+    assert not (refused / "rank0.json").exists()
+
+    with pytest.raises(PulseRefusal, match=r"made on 2 process\(es\) and this fit runs on 1") as back:
+        _fit(tmp_path / "back", two / "epepoch=1.ckpt", max_steps=48)
+    assert "max_steps" in str(back.value)
+    assert not (tmp_path / "back" / "rank0.json").exists()
+
+    # on the saved number of processes it goes on as before
+    _fit(tmp_path / "same", one / "epepoch=0.ckpt", max_steps=48)
+    assert _records(tmp_path / "same", 1)[0] == {"epochs": [1, 2], "step": 24}
 
 
 def test_a_checkpoint_saved_before_the_number_of_processes_was_recorded_resumes_as_before(tmp_path):

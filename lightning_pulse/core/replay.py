@@ -341,9 +341,11 @@ STEPS_MODE_WORLD_SIZE_REFUSAL = (
     "HardSampleReplay: the checkpoint's mode='steps' plan was made on {saved} process(es) and this fit runs on "
     "{now}; it was saved at step {step}, inside epoch {epoch}. Each process plans its own share of the data, "
     "which {now} process(es) split otherwise, so which samples of epoch {epoch} are left is not known here "
-    "(some would train twice, others never). Resume on {saved} process(es), or from a checkpoint saved at an "
-    "epoch's end (`ModelCheckpoint(save_on_train_epoch_end=True)` or `save_last=True`), from which the rest "
-    "of the run is planned again for {now}; or use mode='batch' (no plan: it keeps every sample's score)."
+    "(some would train twice, others never). Resume on {saved} process(es), or from a checkpoint saved at a "
+    "training epoch's end (`ModelCheckpoint(save_on_train_epoch_end=True)`, which saves there also where "
+    "validation does not run every epoch) of a max_epochs run, from which the rest of the run is planned again "
+    "for {now} (under `max_steps` Lightning goes on inside the saved epoch by its batch count even from its "
+    "end); or use mode='batch' (no plan: it keeps every sample's score)."
 )
 
 
