@@ -1536,7 +1536,9 @@ def _epochs_length(
     for index in range(epoch, last + 1):
         window = window_of(index)
         # Lightning goes on in the restored epoch from its batch count: its windows keep their places
-        epoch_steps = max(math.ceil(batches / window) - (done // window if index == epoch else 0), 0)
+        # an epoch counted done in full stepped its short last window too
+        stepped = (math.ceil(done / window) if done >= batches else done // window) if index == epoch else 0
+        epoch_steps = max(math.ceil(batches / window) - stepped, 0)
         epoch_batches = max(batches - (done if index == epoch else 0), 0)
         if epoch_steps >= steps_left:  # max_steps ends it, unless exactly at the last epoch's end
             cut = epoch_steps > steps_left or index < last
@@ -1570,6 +1572,9 @@ def _resume_point(trainer: pl.Trainer) -> tuple[int, int, int, int] | None:
     if record is not None and record[0]() is selector and record[1] == path:
         return record[2]
     # before the training starts (setup, on_fit_start, a Tuner's trials) the loops are not restored yet
+    # on_fit_start runs before Lightning restores the loops (the checkpoint is loaded, not yet applied)
+    if trainer._checkpoint_connector._loaded_checkpoint:
+        return None
     if trainer.state.stage != RunningStage.TRAINING or trainer.fit_loop._combined_loader is None:
         return None
     point = (trainer.current_epoch, trainer.global_step, *_restored_epoch_batches(trainer))

@@ -166,3 +166,20 @@ def test_gradient_caches_share_start_is_placed_on_the_resumed_runs_length_after_
     trainer.fit(Tiny(), ckpt_path=path)
     assert trainer.global_step == 29  # 10 + 3 (the rest of epoch 0, at 2 batches a step) + 2 epochs of 8
     assert cache._span == cache.window.steps(29)  # before: placed on 24 steps
+
+
+class EarlyReader(pl.Callback):
+    """Reads the run length in ``on_fit_start`` (as GreenWindow does), before Lightning restores the loops."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.early = compat.run_length(trainer)
+
+
+def test_a_run_length_read_before_the_loops_are_restored_does_not_fix_the_resumes_reading(tmp_path):
+    path = _checkpoint(tmp_path, 16, [_cycle()])
+    early, anneal, lengths = EarlyReader(), FirstAnnealStep(), Lengths()
+    trainer = _trainer([early, _cycle(), anneal, lengths], accumulate_grad_batches=2)
+    trainer.fit(Tiny(), ckpt_path=path)
+    # a review: the early read cached a resume point of zeros, and PulseCycle planned on 24 steps again
+    assert lengths.planned[0] == trainer.global_step == 32
+    assert (32 - anneal.step) / 32 == pytest.approx(0.2, abs=0.04)
