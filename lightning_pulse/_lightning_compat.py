@@ -902,16 +902,18 @@ def on_train_dataloader_ready(trainer: pl.Trainer, hook: Callable[[Any], None]) 
     """
     from lightning.pytorch.trainer.states import RunningStage
 
-    copies: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+    # the user's loader and its copy, the latest only: a reload of the same object gets the same copy; keyed
+    # by identity, not hash (a DataLoader subclass defining __eq__, a dataclass, cannot be hashed)
+    latest: list[Any] = [None, None]
 
     def wrap(original: Callable[..., Any], state: dict[str, bool]) -> Callable[..., Any]:
         def process_dataloader(dataloader: object) -> object:
             dataloader = original(dataloader)
             if state["active"] and trainer.state.stage == RunningStage.TRAINING:
                 if shares_validation_loader(trainer, dataloader):
-                    if (copied := copies.get(dataloader)) is None:
-                        copied = copies[dataloader] = training_copy(dataloader)
-                    dataloader = copied
+                    if latest[0] is not dataloader:
+                        latest[:] = [dataloader, training_copy(dataloader)]
+                    dataloader = latest[1]
                 hook(dataloader)
             return dataloader
 
@@ -931,11 +933,15 @@ def shares_validation_loader(trainer: pl.Trainer, loader: Any) -> bool:
 
     if not isinstance(loader, DataLoader) or not trainer.enable_validation:
         return False
+    source = getattr(trainer.fit_loop.epoch_loop.val_loop._data_source, "instance", None)
+    from_hook = source is None or isinstance(source, (pl.LightningModule, pl.LightningDataModule))
+    if from_hook and trainer.reload_dataloaders_every_n_epochs:  # the hook builds them again: unknown
+        return True
     loaders = trainer.val_dataloaders
     if loaders is None:
-        loaders = getattr(trainer.fit_loop.epoch_loop.val_loop._data_source, "instance", None)
-        if loaders is None or isinstance(loaders, (pl.LightningModule, pl.LightningDataModule)):
+        if from_hook:
             return True
+        loaders = source
     flattened = (
         loaders.flattened if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders).flattened
     )

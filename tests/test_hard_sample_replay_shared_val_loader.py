@@ -209,3 +209,72 @@ def test_steps_mode_resumed_with_validation_on_the_training_loader(tmp_path):
     separate = run(False)
     assert separate[1] == 16
     _assert_same(run(True), separate)
+
+
+class ReloadedSharedData(pl.LightningDataModule):
+    """A new train DataLoader at every reload; ``val_dataloader`` returns the latest one (or its own)."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.shared, self.latest = shared, None
+        self.loaders: list[DataLoader] = []
+
+    def train_dataloader(self):
+        self.latest = _loader()
+        self.loaders.append(self.latest)
+        return self.latest
+
+    def val_dataloader(self):
+        if not self.shared:
+            return _loader()
+        if self.latest is None:
+            self.latest = _loader()
+        return self.latest
+
+
+@pytest.mark.parametrize("sanity", [0, 2])
+def test_batch_mode_reloading_each_epoch_with_validation_on_the_latest_training_loader(sanity):
+    # a review: from epoch 1 on the reloaded loader was not known as validation's, and its recorder was
+    # restarted by every in-epoch validation (final weights -1.324 against -1.109 summed)
+    runs = []
+    for shared in (False, True):
+        torch.manual_seed(0)
+        model, data = Net(), ReloadedSharedData(shared)
+        settings = dict(max_epochs=3, reload_dataloaders_every_n_epochs=1, val_check_interval=0.5)
+        trainer = pl.Trainer(
+            callbacks=[HardSampleReplay(mode="batch")],
+            **trainer_kwargs(**settings, num_sanity_val_steps=sanity),
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, datamodule=data)
+        assert all(not isinstance(loader.batch_sampler.sampler, RecordingSampler) for loader in data.loaders)
+        runs.append(
+            (dict(model.validated), trainer.global_step, [p.detach().clone() for p in model.parameters()])
+        )
+    _assert_same(runs[1], runs[0])
+
+
+class UnhashableLoader(DataLoader):
+    """A DataLoader subclass that defines ``__eq__`` (as a dataclass does), so it cannot be hashed."""
+
+    __hash__ = None
+
+    def __eq__(self, other):
+        return self is other
+
+
+def test_an_unhashable_training_loader_shared_with_validation_is_copied():
+    # a review: the copies were cached in a WeakKeyDictionary, which raised "unhashable type" at fit start
+    runs = []
+    for shared in (False, True):
+        torch.manual_seed(0)
+        train, model = UnhashableLoader(TensorDataset(X, Y), batch_size=8), Net()
+        trainer = pl.Trainer(callbacks=[HardSampleReplay()], **trainer_kwargs(max_epochs=2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, train, train if shared else _loader())
+        runs.append(
+            (dict(model.validated), trainer.global_step, [p.detach().clone() for p in model.parameters()])
+        )
+    _assert_same(runs[1], runs[0])
