@@ -13,6 +13,7 @@ import math
 import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,6 +23,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.seed import isolate_rng
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.carried_state import kept_buffers, kept_carried_state, kept_python_state
@@ -33,6 +35,8 @@ from lightning_pulse.loggers import log_to_loggers
 #: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
 #: that run a probe wait for them at teardown
 PROBE_COLLECTIVES = compat.CollectiveHold()
+#: what gets a batch StabilityGuard could not copy (:func:`batch_copy`)
+RERUN = "the re-run of the flagged step's `training_step`"
 
 # how `self.log` and `self.log_dict` take their arguments: a captured call's `batch_size` is read by them
 _LOG = inspect.signature(pl.LightningModule.log)
@@ -111,6 +115,8 @@ def run_validation_probe(
     batches: list[Any],
     several: bool = False,
     unlogged: set[str] | None = None,
+    owner: str = "lightning_pulse",
+    uncopied: set[type] | None = None,
 ) -> dict[str, float]:
     """Evaluate the module's own ``validation_step`` on ``batches`` (of the first of ``several`` validation
     dataloaders: then called with ``dataloader_idx=0``, as Lightning does) and return what it logs, reduced as
@@ -196,7 +202,7 @@ def run_validation_probe(
             for index, batch in enumerate(batches):
                 # a copy: a module that transforms its batch in place (`batch["x"] = transforms(batch["x"])`
                 # in on_before_batch_transfer, an in-place op on CPU) leaves the kept batch as it came
-                batch = batch_copy(batch)
+                batch = batch_copy(batch, owner, "the probe's `validation_step`", uncopied)
                 batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
                 inferred_size = None
                 if several:
@@ -232,23 +238,38 @@ def run_validation_probe(
     return dict(sorted(figures.items()))
 
 
-def batch_copy(batch: Any) -> Any:
+def batch_copy(
+    batch: Any, owner: str = "lightning_pulse", use: str = "", uncopied: set[type] | None = None
+) -> Any:
     """A copy of a kept batch for one probe or one re-run of ``training_step``: its tensors cloned through
     lists, tuples and mappings; any other object holding tensors (a dataclass, a batch class with ``.to()``,
     which Lightning moves as it is, one with ``__slots__`` such as ``dataclass(slots=True)`` or an attrs
-    class, or one holding them through another object) deep-copied with those tensors cloned, as an in-place
-    change in it would reach the kept batch. An object holding no tensor is passed as it is."""
+    class, or one holding them through another object) copied along the paths to its tensors, those cloned,
+    as an in-place change in it would reach the kept batch. Every object that leads to no tensor (a lock, a
+    file or database handle, a tokenizer) and every module or dataset the batch refers to is shared, not
+    copied. An object holding no tensor is passed as it is; one that still cannot be copied too, said once per
+    class in ``uncopied`` (``"<owner>: ..."``; ``use``: what gets the batch)."""
 
     def copied(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value.clone()
-        found, modules = _tensors_in(value)
-        if not found:
+        memo = _copy_memo(value)
+        if memo is None:
             return value
-        # each tensor cloned (as in a list), not deep-copied: a view copies its own elements, not its storage;
-        # a module the batch refers to (a tokenizer's, the model) is shared, not copied
-        memo = {id(tensor): tensor.clone() for tensor in found} | {id(module): module for module in modules}
-        return copy.deepcopy(value, memo)
+        try:
+            return copy.deepcopy(value, memo)
+        except Exception as error:  # measurement never kills a run: the batch itself, said once
+            if uncopied is None or type(value) not in uncopied:
+                if uncopied is not None:
+                    uncopied.add(type(value))
+                name = type(value).__qualname__
+                rank_zero_warn(
+                    f"{owner}: a batch of class `{name}` could not be copied ({type(error).__name__}: {error}), "
+                    f"so {use or 'it'} gets the batch itself, and an in-place change to its tensors there "
+                    f"reaches the batch as kept. Let `{name}` be deep-copied (a `__deepcopy__` that shares what "
+                    "cannot be copied) to have it copied."
+                )
+            return value
 
     return apply_to_collection(batch, object, copied, wrong_dtype=(Mapping, list, tuple))
 
@@ -256,33 +277,64 @@ def batch_copy(batch: Any) -> Any:
 # values that hold no tensor and are not looked into: scalars, strings, classes, modules, functions
 _LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, type, types.ModuleType)
 _LEAVES += (types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.dtype, torch.device)
+# objects a batch may refer to that are not of it: shared by its copies, not looked into (the model, a
+# dataset the batch refers back to, a loader or a sampler)
+_SOURCES = (torch.nn.Module, Dataset, DataLoader, Sampler)
 
 
-def _tensors_in(value: Any) -> tuple[list[torch.Tensor], list[torch.nn.Module]]:
-    """The tensors ``value`` reaches through collections and objects' attributes (``__dict__`` and the
-    ``__slots__`` of every class of its MRO), each once; and the modules it reaches (not looked into)."""
-    found: dict[int, torch.Tensor] = {}
-    modules: list[torch.nn.Module] = []
-    seen: set[int] = set()
-    pending = [value]
+def _copy_memo(value: Any) -> dict[int, Any] | None:
+    """The memo that makes ``copy.deepcopy(value, memo)`` copy only the objects on the paths from ``value`` to
+    its tensors (:func:`_object_graph`): each tensor cloned (as in a list, not deep-copied: a view copies its
+    own elements, not its storage), every other object it reaches as itself. ``None`` if it holds no tensor."""
+    tensors, objects, parents = _object_graph(value)
+    if not tensors:
+        return None
+    leading: set[int] = set()
+    pending = list(tensors)
     while pending:
-        item = pending.pop()
-        if isinstance(item, _LEAVES) or id(item) in seen:
+        for parent in parents.get(pending.pop(), ()):
+            if parent not in leading:
+                leading.add(parent)
+                pending.append(parent)
+    memo = {key: tensor.clone() for key, tensor in tensors.items()}
+    memo.update((key, item) for key, item in objects.items() if key not in leading)
+    return memo
+
+
+def _object_graph(value: Any) -> tuple[dict[int, torch.Tensor], dict[int, Any], dict[int, list[int]]]:
+    """What ``value`` reaches through collections and objects' attributes (``__dict__`` and the ``__slots__``
+    of every class of its MRO), each once: its tensors and the other objects (not looked into: modules,
+    datasets, loaders, samplers), by id; and, by id, the objects each is reached from."""
+    tensors: dict[int, torch.Tensor] = {}
+    objects: dict[int, Any] = {}  # kept until the copy: no id is reused meanwhile
+    parents: dict[int, list[int]] = {}
+    pending: list[tuple[Any, int | None]] = [(value, None)]
+    while pending:
+        item, parent = pending.pop()
+        if isinstance(item, _LEAVES):
             continue
-        seen.add(id(item))
+        key = id(item)
+        if parent is not None:
+            parents.setdefault(key, []).append(parent)
+        if key in objects or key in tensors:
+            continue
         if isinstance(item, torch.Tensor):
-            found.setdefault(id(item), item)
-        elif isinstance(item, torch.nn.Module):
-            modules.append(item)
-        elif isinstance(item, Mapping):
-            pending.extend(item.keys())
-            pending.extend(item.values())
+            tensors[key] = item
+            continue
+        objects[key] = item
+        if isinstance(item, _SOURCES):
+            continue
+        children: list[Any] = []
+        if isinstance(item, Mapping):
+            children += item.keys()
+            children += item.values()
         elif isinstance(item, (list, tuple, set, frozenset)):
-            pending.extend(item)
-        else:
-            pending.extend(getattr(item, "__dict__", {}).values())
-            pending.extend(_slot_values(item))
-    return list(found.values()), modules
+            children += item
+        if type(item) not in (dict, list, tuple, set, frozenset):  # a class's own attributes too
+            children += getattr(item, "__dict__", {}).values()
+            children += _slot_values(item)
+        pending.extend((child, key) for child in children)
+    return tensors, objects, parents
 
 
 def _slot_values(item: Any) -> Iterator[Any]:
@@ -316,6 +368,7 @@ def training_losses(
     batches: list[tuple[int, Any]],
     grad_mode: bool = True,
     drawn: Mapping[int, DrawnState] | None = None,
+    uncopied: set[type] | None = None,
 ) -> list[float]:
     """The losses the module's own ``training_step`` returns on ``(batch_idx, batch)`` pairs, without training.
 
@@ -345,7 +398,7 @@ def training_losses(
         for batch_idx, batch in batches:
             for generator, state in drawn.get(batch_idx, ()):  # inside isolate_rng: the run's come back
                 generator.set_state(state)
-            output = pl_module.training_step(batch_copy(batch), batch_idx)
+            output = pl_module.training_step(batch_copy(batch, "StabilityGuard", RERUN, uncopied), batch_idx)
             loss = output.get("loss") if isinstance(output, dict) else output
             if isinstance(loss, torch.Tensor):
                 losses.append(float(loss.detach().float()))
@@ -360,6 +413,7 @@ def losses_at(
     reference: list[tuple[int, Any]],
     hold: compat.CollectiveHold,
     drawn: tuple[Mapping[int, DrawnState], Mapping[int, DrawnState]] = ({}, {}),
+    uncopied: set[type] | None = None,
 ) -> tuple[float, float]:
     """The mean training loss of the ``flagged`` and of the ``reference`` batches with ``snapshot``'s weights
     swapped in (StabilityGuard's rollback test); the module's own state comes back bit for bit. ``drawn``: the
@@ -370,8 +424,10 @@ def losses_at(
     failure: Exception | None = None
     with holding(snapshot, pl_module):
         try:
-            flagged_losses = training_losses(trainer, pl_module, flagged, drawn=drawn[0])
-            reference_losses = training_losses(trainer, pl_module, reference, drawn=drawn[1])
+            flagged_losses = training_losses(trainer, pl_module, flagged, drawn=drawn[0], uncopied=uncopied)
+            reference_losses = training_losses(
+                trainer, pl_module, reference, drawn=drawn[1], uncopied=uncopied
+            )
         except Exception as error:  # raised after the all-reduce, which every rank must reach
             failure, flagged_losses, reference_losses = error, [], []
     sums = torch.tensor(
@@ -395,6 +451,22 @@ def losses_at(
     return flagged_sum / flagged_count, reference_sum / reference_count
 
 
+def rerun_losses(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, record: Any, hold: compat.CollectiveHold
+) -> tuple[Callable[..., list[float]], Callable[..., tuple[float, float]]]:
+    """StabilityGuard's re-runs of ``training_step`` for a flagged step (``FlaggedStep.losses_of`` and
+    ``losses_at``), drawing from the states ``record`` (the fit's ``StepRecord``) kept, and telling a batch class
+    that does not copy once a fit (``record.uncopied``)."""
+    return (
+        partial(
+            training_losses, trainer, pl_module, grad_mode=False, drawn=record.drawn, uncopied=record.uncopied
+        ),
+        partial(
+            losses_at, trainer, pl_module, hold=hold, drawn=record.drawn_states, uncopied=record.uncopied
+        ),
+    )
+
+
 class HeldOutProbe:
     """A callback's evaluation probe: the first ``batches`` validation batches, taken once per fit, and the
     module's ``validation_step`` run on them. Where there is no validation data or ``validation_step``, or the
@@ -410,6 +482,7 @@ class HeldOutProbe:
         self._several = False  # several validation dataloaders (the batches are the first one's)
         self._unavailable = False
         self.unlogged: set[str] = set()  # the names validation_step logged with `logger=False` this fit
+        self.uncopied: set[type] = set()  # the batch classes found not to copy (said once each)
 
     def reset(self) -> None:
         """Take the batches again at the next run (a new fit may have new validation data)."""
@@ -470,4 +543,6 @@ class HeldOutProbe:
             rank_zero_warn(f"{self.owner}: no validation dataloader or `validation_step`; {self.what_stops}.")
             self._unavailable = True
             return None
-        return run_validation_probe(trainer, pl_module, self._data, self._several, self.unlogged)
+        return run_validation_probe(
+            trainer, pl_module, self._data, self._several, self.unlogged, self.owner, self.uncopied
+        )

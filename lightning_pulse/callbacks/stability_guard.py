@@ -28,7 +28,7 @@ from lightning_pulse.errors import (
 )
 from lightning_pulse.loggers import log_to_loggers, refuse_logger_only_monitors
 from lightning_pulse.phase import PhaseChange
-from lightning_pulse.probe import losses_at, training_losses
+from lightning_pulse.probe import rerun_losses
 from lightning_pulse.protocols import rollback_states, tell_restored_phase
 
 __all__ = ["StabilityGuard", "StabilityGuardConfig", "StabilityGuardError"]
@@ -314,8 +314,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
             trainer.train_dataloader,
             self._sum_over_ranks(trainer),
             steps.caches_activations(trainer.callbacks),
-            partial(training_losses, trainer, pl_module, grad_mode=False, drawn=self._record.drawn),
-            partial(losses_at, trainer, pl_module, hold=self._held, drawn=self._record.drawn_states),
+            *rerun_losses(trainer, pl_module, self._record, self._held),
         )
 
     # ------------------------------------------------------------------ snapshots and rollbacks

@@ -372,6 +372,7 @@ class StepRecord:
         # for this step and the reference: a re-run of the batch draws what the step drew (the rollback test)
         self.drawn: dict[int, DrawnState] = {}
         self.reference_drawn: dict[int, DrawnState] = {}
+        self.uncopied: set[type] = set()  # the batch classes a re-run found not to copy (probe.batch_copy)
         self._cuda = cuda_generator_of(device)
         # batch_idx -> the dataset indices of the samples it trained, where a callback cut it in place
         self.trained: dict[int, Tensor] = {}
