@@ -948,18 +948,71 @@ def shares_validation_loader(trainer: pl.Trainer, loader: Any) -> bool:
     return any(candidate is loader for candidate in flattened)
 
 
+class UsersBatchSizes:
+    """Mixed into the copy of a user's ``BatchSampler`` that :func:`training_copy` makes: its ``sampler`` is
+    its own (an index recorder goes there), its ``batch_size`` and ``drop_last`` are the user's
+    (``users_batches``), read at every use and written there, so that a change made to either object (a
+    batch-size curriculum on the user's DataLoader or on ``trainer.train_dataloader``) reaches training as it
+    would without the copy."""
+
+    __slots__ = ()
+    users_batches: Any
+
+    @property
+    def batch_size(self) -> Any:
+        return self.users_batches.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: Any) -> None:
+        self.users_batches.batch_size = value
+
+    @property
+    def drop_last(self) -> Any:
+        return self.users_batches.drop_last
+
+    @drop_last.setter
+    def drop_last(self, value: Any) -> None:
+        self.users_batches.drop_last = value
+
+
+_users_batch_size_classes: dict[type, type] = {}
+
+
+def _batches_of_its_own(batches: Any) -> Any:
+    """A copy of the ``BatchSampler`` ``batches`` with its own ``sampler`` and ``batches``' sizes
+    (:class:`UsersBatchSizes`); a plain copy where ``batches`` keeps its sizes otherwise than as attributes."""
+    copied = copy.copy(batches)
+    if not {"batch_size", "drop_last"} <= vars(copied).keys():
+        return copied
+    base = type(batches)
+    if base not in _users_batch_size_classes:
+        # the user's class first (a class layout ``__class__`` can be switched to), the sizes over its own
+        sizes = {
+            "__slots__": (),
+            "batch_size": UsersBatchSizes.batch_size,
+            "drop_last": UsersBatchSizes.drop_last,
+        }
+        _users_batch_size_classes[base] = type(base.__name__, (base, UsersBatchSizes), sizes)
+    copied.__class__ = _users_batch_size_classes[base]
+    del copied.__dict__["batch_size"], copied.__dict__["drop_last"]
+    copied.users_batches = batches
+    return copied
+
+
 def training_copy(loader: Any) -> Any:
     """A shallow copy of the DataLoader ``loader`` for training to iterate: the same dataset, index sampler,
     collate function and worker settings, with a batch sampler of its own (a copy of a ``BatchSampler``, so
-    that an index recorder or a planned batch sampler put into the copy leaves ``loader``'s alone; a custom one
-    is shared, it is never changed) and no iterator yet (with persistent workers, it starts workers of its
-    own, as a second DataLoader would; ``loader``'s stay with it)."""
+    that an index recorder or a planned batch sampler put into the copy leaves ``loader``'s alone, whose
+    ``batch_size`` and ``drop_last`` stay ``loader``'s: :class:`UsersBatchSizes`; a custom one is shared, it is
+    never changed) and no iterator yet (with persistent workers, it starts workers of its own, as a second
+    DataLoader would; ``loader``'s stay with it)."""
     from torch.utils.data import BatchSampler
 
     copied = copy.copy(loader)
     batches = loader.batch_sampler
     if isinstance(batches, BatchSampler) and type(batches).__iter__ is BatchSampler.__iter__:
-        object.__setattr__(copied, "batch_sampler", copy.copy(batches))  # DataLoader.__setattr__ forbids it
+        # DataLoader.__setattr__ forbids setting it
+        object.__setattr__(copied, "batch_sampler", _batches_of_its_own(batches))
     object.__setattr__(copied, "_iterator", None)
     return copied
 

@@ -278,3 +278,65 @@ def test_an_unhashable_training_loader_shared_with_validation_is_copied():
             (dict(model.validated), trainer.global_step, [p.detach().clone() for p in model.parameters()])
         )
     _assert_same(runs[1], runs[0])
+
+
+class CurriculumData(pl.LightningDataModule):
+    """A train DataLoader, and for validation that one (``shared``) or another one of the same data."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.loader = _loader()
+        self.other = self.loader if shared else _loader()
+
+    def train_dataloader(self):
+        return self.loader
+
+    def val_dataloader(self):
+        return self.other
+
+
+class Curriculum(pl.Callback):
+    """From epoch 1 on, batches of 24 with the short last one dropped, set on the user's DataLoader (or on
+    ``trainer.train_dataloader``)."""
+
+    def __init__(self, data: CurriculumData, via_trainer: bool) -> None:
+        self.data, self.via_trainer = data, via_trainer
+        self.trained: collections.Counter[tuple[int, int]] = collections.Counter()
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            loader = trainer.train_dataloader if self.via_trainer else self.data.loader
+            loader.batch_sampler.batch_size, loader.batch_sampler.drop_last = 24, True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.trained[(trainer.current_epoch, len(batch[0]))] += 1
+
+
+@pytest.mark.parametrize(
+    "replay, shared, via_trainer",
+    [("cache", False, False), ("batch", False, False), ("batch", True, False), ("batch", True, True)],
+)
+def test_a_batch_size_curriculum_on_the_users_loader_reaches_training(replay, shared, via_trainer):
+    # a sweep (pass 45): with num_sanity_val_steps=0 the validation loaders were not known yet, training
+    # iterated a copy with a BatchSampler of its own, and a curriculum's batch size set on the user's
+    # DataLoader never reached it: epoch 1 trained 8 batches of 8 instead of 2 of 24
+    def sizes(callbacks):
+        torch.manual_seed(0)
+        data = CurriculumData(shared)
+        curriculum = Curriculum(data, via_trainer)
+        trainer = pl.Trainer(callbacks=[*callbacks, curriculum], **trainer_kwargs(max_epochs=2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Net(), datamodule=data)
+        # the user's DataLoader keeps its own index sampler (no recorder went in)
+        assert isinstance(data.loader.batch_sampler.sampler, SequentialSampler)
+        return dict(curriculum.trained)
+
+    plain = sizes([])
+    assert plain == {(0, 8): 8, (1, 24): 2}
+    callback = (
+        GradientCache(activation_cache_mb=4)
+        if replay == "cache"
+        else HardSampleReplay(mode="batch", replay_fraction=1.0)
+    )
+    assert sizes([callback]) == plain

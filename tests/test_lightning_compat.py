@@ -690,3 +690,25 @@ def test_a_step_is_unfinished_from_its_batch_start_to_its_update_and_after_an_ex
     with pytest.raises(RuntimeError, match="fails"):
         failed.fit(_Fails(), _loader())
     assert compat.in_unfinished_step(failed)  # a save after the exception: a resume trains that batch again
+
+
+def test_training_copy_has_its_own_sampler_and_the_users_batch_size_and_drop_last():
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+    from lightning_pulse.energy.counting import loader_batch_size
+
+    data = TensorDataset(torch.arange(20.0))
+    for user in (
+        DataLoader(data, batch_size=8),
+        DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 8, False)),
+    ):
+        copied = compat.training_copy(user)
+        assert copied.batch_sampler is not user.batch_sampler
+        assert isinstance(copied.batch_sampler, BatchSampler) and loader_batch_size(copied) == 8
+        copied.batch_sampler.sampler = SequentialSampler(range(4))  # an index recorder goes there
+        assert len(user.batch_sampler.sampler) == 20
+        # a curriculum's batch size or drop_last, set on either object, is the other's too
+        user.batch_sampler.batch_size, user.batch_sampler.drop_last = 3, True
+        assert [len(b) for b in copied.batch_sampler] == [3] and len(copied) == 1
+        copied.batch_sampler.batch_size = 2
+        assert user.batch_sampler.batch_size == 2 and len(user) == 10

@@ -414,9 +414,13 @@ def describes(layout: SampleLayout, batch: Any, loader_batch_size: int | None) -
 def loader_batch_size(loader: Any) -> int | None:
     """The samples a training DataLoader's first batch holds: its ``batch_size`` (or its batch sampler's),
     at most its sampler's length (a dataset smaller than a batch); ``None`` when it does not say."""
-    size = getattr(loader, "batch_size", None)
-    if not isinstance(size, int) and type(getattr(loader, "batch_sampler", None)) is BatchSampler:
-        size = loader.batch_sampler.batch_size  # a custom batch sampler's `batch_size` may be a cap only
+    from lightning_pulse._lightning_compat import UsersBatchSizes
+
+    size, batches = getattr(loader, "batch_size", None), getattr(loader, "batch_sampler", None)
+    if isinstance(batches, UsersBatchSizes):  # training's copy of the user's (compat.training_copy)
+        batches = batches.users_batches
+    if not isinstance(size, int) and type(batches) is BatchSampler:
+        size = batches.batch_size  # a custom batch sampler's `batch_size` may be a cap only
     if not isinstance(size, int) or size < 1:
         return None
     try:
