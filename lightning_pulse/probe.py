@@ -52,7 +52,10 @@ def first_validation_batches(
     that Lightning would validate on.
 
     Taken inside ``isolate_rng``: creating a DataLoader iterator draws a seed from the global generator, and
-    an evaluation must not change the training run's shuffling or dropout. A loader with persistent workers is
+    an evaluation must not change the training run's shuffling or dropout. The loader's own generators (its
+    ``generator``, its sampler's, its batch sampler's and that one's sampler's: a shuffle, the workers' base
+    seed) are restored too, which ``isolate_rng`` leaves: else every later validation saw another permutation,
+    and with ``limit_val_batches`` another ``val_loss``. A loader with persistent workers is
     read through a copy without them (``compat.without_persistent_workers``): its own iterator, which the
     fit's first validation builds (drawing that seed) and only resets from then on, is never the probe's.
     """
@@ -67,12 +70,33 @@ def first_validation_batches(
         count = min(count, compat.validation_batches_taken(trainer, loaders))
     if loaders is None or count < 1:
         return batches, several
-    with isolate_rng():
+    with isolate_rng(), _loader_generators_kept(loaders):
         for batch in compat.without_persistent_workers(loaders):
             batches.append(batch)
             if len(batches) >= count:
                 break
     return batches, several
+
+
+@contextmanager
+def _loader_generators_kept(loader: Any) -> Iterator[None]:
+    """Restore, on the way out, the state of each distinct ``torch.Generator`` a DataLoader reaches."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    holders = (
+        loader,
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    )
+    generators = {
+        id(g): g for h in holders if isinstance(g := getattr(h, "generator", None), torch.Generator)
+    }
+    states = [(generator, generator.get_state()) for generator in generators.values()]
+    try:
+        yield
+    finally:
+        for generator, state in states:
+            generator.set_state(state)
 
 
 @contextmanager

@@ -333,6 +333,11 @@ class PlannedBatchSampler(BatchSampler):
         if skip:
             for _ in islice(source, skip):
                 pass
+        # the plain BatchSampler reads its sampler to the end where a pass reaches the data's end: before a
+        # short last batch, else when asked past the last one (workers do). A sampler with its own generator
+        # (RandomSampler) draws once more there, so a pass that stopped short left it a draw behind: the next
+        # epoch's shuffle was another than the plain run's
+        ends = self._ends_data(skip + int(sum(sizes)))
         # windows in blocks of CHOOSE_BLOCK batches (the sampler's order does not depend on training), so the
         # light ones of a block are chosen in one call, and a huge dataset's pass is never held whole
         ordinal = self._first_ordinal
@@ -352,10 +357,26 @@ class PlannedBatchSampler(BatchSampler):
                 self.fixed_ahead += k < given
                 if recorder is not None:
                     recorder.record_batch(batch if cut is None else cut.indices.numpy())
+                if ends and first + k == len(sizes) - 1 and len(batch) < self.batch_size:
+                    for _ in source:
+                        pass
                 yield batch if cut is None else cut.indices.tolist()
             if len(batches) < len(block):  # the sampler ran out
                 return
             ordinal += len(block)
+        if ends:
+            for _ in source:
+                pass
+
+    def _ends_data(self, taken: int) -> bool:
+        """Whether a pass that reads ``taken`` indices ends where the plain BatchSampler reads its sampler to
+        the end (a pass the plan cuts short, at the run's end, does not; nor one of a sampler without a length,
+        which may never end)."""
+        try:
+            rest = len(self.sampler)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError):
+            return False
+        return rest - taken < (self.batch_size if self.drop_last else 1)
 
     def _take_given(self, batches: list[list[int]]) -> int:
         """How many of ``batches``, from the first, take their cut from :attr:`given`: those whose given cut
