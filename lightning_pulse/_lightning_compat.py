@@ -1568,7 +1568,10 @@ def run_length(trainer: pl.Trainer) -> tuple[float, float]:
     # a run bounded by max_steps alone, or of unknown length
     if max_epochs in (None, -1) or not math.isfinite(batches) or batches < 1:
         estimate = min(estimate, _training_max_steps(trainer))
-        return estimate, estimate * window_of(trainer.current_epoch)
+        # a resumed fit: the batches taken before it as they were taken (another accumulation's), the rest at
+        # this fit's (saved at step 10 at 1, resumed to 60 steps at 2: 110 batches, not 120)
+        _, before, _, taken = _resume_point(trainer) or (0, 0, 0, 0)
+        return estimate, taken + max(estimate - before, 0) * window_of(trainer.current_epoch)
     steps, taken, _ = _epochs_length(trainer, batches, window_of, max_epochs)
     return float(steps), float(taken)
 
@@ -1647,7 +1650,13 @@ def _restored_epoch_batches(trainer: pl.Trainer) -> tuple[int, int]:
     (after ``on_train_start``): restarting, a batch saved at its ``on_train_batch_end`` counts as completed,
     and the epoch goes on from that count, whatever this fit's epoch length; only a count that reaches it
     starts the epoch over from its first batch (``limit_train_batches`` 16 -> 4 at batch 10: 4 batches more;
-    a data set twice as long at the epoch's last batch: the next epoch goes on from batch 16 of 32)."""
+    a data set twice as long at the epoch's last batch: the next epoch goes on from batch 16 of 32). Saved
+    elsewhere (at a validation's end), the first pass of a loop that validates at the restored count goes to
+    that validation's end and trains nothing; then a count equal to this fit's length, or the restored last
+    batch, ends the epoch. Otherwise a count at or past the length trains one batch more (the data
+    fetcher, counting on from the restored count, calls the first batch fetched the last): read as one batch
+    short of the length, the place from which that one batch, one optimizer step, is left (saved at batch 8
+    of 16 with ``val_check_interval=0.5``, resumed at ``limit_train_batches=4``: 17 steps, not 16)."""
     epoch_loop = trainer.fit_loop.epoch_loop
     current, total = epoch_loop.batch_progress.current, epoch_loop.batch_progress.total
     if not epoch_loop.restarting:
@@ -1656,6 +1665,18 @@ def _restored_epoch_batches(trainer: pl.Trainer) -> tuple[int, int]:
     done = int(current.completed) + saved_at_batch_end
     if saved_at_batch_end and done >= trainer.num_training_batches:
         done = 0
+    elif not saved_at_batch_end and math.isfinite(batches := trainer.num_training_batches):
+        # Lightning 2.6's TrainingEpochLoop.advance: a restart that validates returns at once where saved at
+        # the last hook (or mid-evaluation); its `done` then reads the count (==) and the restored last batch
+        loop = trainer.fit_loop
+        first_pass_trains = not (
+            epoch_loop._should_check_val_fx(loop._data_fetcher)
+            and (epoch_loop.val_loop.restarted_mid_evaluation or epoch_loop.restarted_on_last)
+        )
+        if not first_pass_trains and (done == batches or epoch_loop.batch_progress.is_last_batch):
+            done = int(batches)  # the epoch ends: nothing more of it
+        elif done >= batches:
+            done = int(batches) - 1  # one batch more, the fetcher's last
     return done, int(total.completed) + saved_at_batch_end
 
 
@@ -2372,26 +2393,52 @@ def restored_at_epoch_start(trainer: pl.Trainer) -> bool:
     return epochs.processed > epochs.completed and not trainer.fit_loop.restarting
 
 
-def samples_per_step(trainer: pl.Trainer) -> int | None:
+def samples_per_step(trainer: pl.Trainer, batch: Any = None) -> int | None:
     """The samples one optimizer step trains, as the run is set up (at train start, after the data set-up):
     the training DataLoaders' ``batch_size`` (summed over several; a batch sampler's where the DataLoader has
-    none) x ``accumulate_grad_batches`` x processes. ``None`` where a DataLoader states no batch size (an
-    iterable dataset that batches itself). A setting, not a count: an epoch's short last batch or a cut
-    batch does not change it."""
+    none) x ``accumulate_grad_batches`` x processes. A setting, not a count: an epoch's short last batch or a
+    cut batch does not change it. Where the one training DataLoader states no batch size (a user's bucketing
+    batch sampler, an iterable dataset that batches itself): read from ``batch``, the fit's first micro-batch
+    (Lightning's ``extract_batch_size``; summed over the processes, one all-gather, so that every rank reads
+    the same number), where given; else ``None``, as where it cannot be read (several DataLoaders of which
+    one states no size, a batch without a tensor)."""
     from lightning.pytorch.utilities import CombinedLoader
 
     loaders = trainer.train_dataloader
     if loaders is None:
         return None
     total = 0
-    for loader in (loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders)).flattened:
+    flattened = (loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders)).flattened
+    for loader in flattened:
         size = getattr(loader, "batch_size", None)
         if not isinstance(size, int):
             size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            return None
+            if batch is None or len(flattened) != 1:
+                return None
+            return _samples_of_first_batch(trainer, batch)
         total += size
     return total * max(1, int(trainer.accumulate_grad_batches)) * trainer.world_size if total else None
+
+
+def samples_reader(trainer: pl.Trainer) -> Callable[[Any], int | None]:
+    """:func:`samples_per_step` of ``trainer`` given a batch (``None``: as the run is set up)."""
+    return functools.partial(samples_per_step, trainer)
+
+
+def _samples_of_first_batch(trainer: pl.Trainer, batch: Any) -> int | None:
+    """:func:`samples_per_step` read from the fit's first micro-batch: its size x accumulation, summed over
+    the processes (``None`` where a rank could not read it)."""
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        size = int(extract_batch_size(batch))
+    except Exception:  # no tensor in it (MisconfigurationException), or a batch class of its own
+        size = 0
+    if trainer.world_size > 1:  # every rank reaches its first step: the same number on each
+        sizes = trainer.strategy.all_gather(torch.tensor(size, device=trainer.strategy.root_device))
+        size = 0 if int(sizes.min()) < 1 else int(sizes.sum())
+    return size * max(1, int(trainer.accumulate_grad_batches)) if size > 0 else None
 
 
 class PulseStateKey:

@@ -213,6 +213,7 @@ class StepSavingLoader:
         # what install planned with (light phases, make_plan's run, the SWA step): an epoch cut short plans
         # the rest of the run again with them (see follow_cut_epoch)
         self._planned_with: tuple[tuple[str, ...], dict[str, Any], bool] | None = None
+        self._scores_kept = False  # the plan joins the run for another number of processes (plan_summary)
 
     @property
     def plan(self) -> StepPlan | None:
@@ -314,6 +315,7 @@ class StepSavingLoader:
         if cycle is not None:
             cycle.fit_budget(fraction, light_phases, math.ceil(plain_batches / accumulate))
         resaved_from = self.follow_world_size(trainer)
+        self._scores_kept = resaved_from is not None
         self._join_run_under_way(trainer, plain_batches)
         clock, budget = (None, None) if cycle is None else (cycle.clock, cycle.budget)
         restored = self.stream.has_restored_state and trainer.global_step > 0
@@ -405,7 +407,8 @@ class StepSavingLoader:
             else ""
         )
         rank_zero_info(
-            f"HardSampleReplay: {plan_summary(plan, budget, run_steps, batches.batch_size)}; "
+            f"HardSampleReplay: "
+            f"{plan_summary(plan, budget, run_steps, batches.batch_size, self._scores_kept)}; "
             f"trainer.max_steps={cap}{ends_sooner}"
             + (
                 " (one more for StochasticWeightAveraging's BatchNorm-update epoch)"
@@ -867,5 +870,6 @@ class StepSavingLoader:
         rank_zero_info(
             f"HardSampleReplay: {cut}, so the next epoch starts at step {step}, not where the plan placed "
             f"it; the rest of the run is planned again from there{kept}: "
-            f"{plan_summary(plan, budget, run_steps)}; trainer.max_steps={cap}."
+            f"{plan_summary(plan, budget, run_steps, scores_kept=self._scores_kept)}; "
+            f"trainer.max_steps={cap}."
         )

@@ -6,6 +6,7 @@ Two gloo processes, a tiny MLP on 128 random samples (one process: 16 batches of
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -189,3 +190,23 @@ def test_a_checkpoint_saved_before_the_number_of_processes_was_recorded_resumes_
             )
         assert finals[0][0] == finals[1][0] == 32
         assert torch.equal(finals[0][1], finals[1][1])
+
+
+def test_the_start_line_of_a_plan_remade_for_another_number_of_processes_says_its_scores_were_kept(
+    tmp_path, caplog
+):
+    # one process standing in for two: the checkpoint's stream says it was saved on 2 (a 2 -> 1 resume)
+    _fit(tmp_path, save_epochs=(0,))
+    checkpoint = torch.load(tmp_path / "epoch0.ckpt", weights_only=False)
+    key = next(key for key in checkpoint["callbacks"] if key.startswith("HardSampleReplay"))
+    checkpoint["callbacks"][key]["stream"]["world_size"] = 2
+    torch.save(checkpoint, tmp_path / "two.ckpt")
+    with caplog.at_level(logging.INFO):
+        trainer = _fit(tmp_path / "resumed", tmp_path / "two.ckpt")
+    line = next(r.getMessage() for r in caplog.records if "remade from epoch" in r.getMessage())
+    # before: "joined this run at step 8, with no state of its own from before", its scores restored
+    assert "with no state of its own" not in line
+    assert "planned this run again from step 8 on, with the sample scores it restored" in line
+    assert "made on 2 process(es), remade from epoch 1 on for 1" in line
+    replay = next(c for c in trainer.callbacks if isinstance(c, HardSampleReplay))
+    assert torch.isfinite(torch.as_tensor(replay.selector.table.scores)).sum() > 0

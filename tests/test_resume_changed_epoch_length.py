@@ -183,3 +183,46 @@ def test_a_run_length_read_before_the_loops_are_restored_does_not_fix_the_resume
     # a review: the early read cached a resume point of zeros, and PulseCycle planned on 24 steps again
     assert lengths.planned[0] == trainer.global_step == 32
     assert (32 - anneal.step) / 32 == pytest.approx(0.2, abs=0.04)
+
+
+@pytest.mark.parametrize("save_at", [10, 16])
+def test_a_max_steps_runs_batches_before_a_resume_keep_their_accumulation(tmp_path, save_at):
+    # before: saved at step 10 at accumulation 1 and resumed to max_steps=60 at 2, the run's batches were read
+    # as 60 x 2 = 120 where it trains 10 + 50 x 2 = 110
+    path = _checkpoint(tmp_path, save_at, max_steps=40, max_epochs=-1)
+    lengths = Lengths()
+    _trainer([lengths], max_steps=60, max_epochs=-1, accumulate_grad_batches=2).fit(Tiny(), ckpt_path=path)
+    assert lengths.planned == lengths.ran == (60.0, save_at + (60 - save_at) * 2.0)
+
+
+class TinyValidated(Tiny):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]))
+
+    def val_dataloader(self):
+        generator = torch.Generator().manual_seed(1)
+        x, y = torch.randn(16, 16, generator=generator), torch.randint(0, 4, (16,), generator=generator)
+        return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+@pytest.mark.parametrize(
+    ("saved_step", "interval", "resumed", "module_kwargs"),
+    [
+        (8, 0.5, dict(limit_train_batches=4), {}),  # past the length: one batch more (17, read 16 before)
+        (8, 0.5, dict(limit_train_batches=6), {}),  # the same, not validating at the restart (21)
+        (8, 0.5, dict(limit_train_batches=8), {}),  # at the length, validating at the restart: none more
+        (16, 1.0, dict(limit_train_batches=6), {}),  # the epoch's last batch, not validating: one more
+        (16, 1.0, dict(limit_train_batches=4), {}),  # validating: its restored last batch ends it
+        (16, 1.0, dict(limit_train_batches=7, accumulate_grad_batches=2), {}),
+        (16, 0.5, {}, dict(samples=256)),  # a longer epoch, validating: the restored last batch ends it
+    ],
+)
+def test_a_validation_end_checkpoint_resumed_at_another_epoch_length_is_read_as_lightning_goes_on(
+    tmp_path, saved_step, interval, resumed, module_kwargs
+):
+    saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=False)
+    _trainer([saver], enable_checkpointing=True, val_check_interval=interval).fit(TinyValidated())
+    lengths = Lengths()
+    trainer = _trainer([lengths], val_check_interval=interval, **resumed)
+    trainer.fit(TinyValidated(**module_kwargs), ckpt_path=str(tmp_path / f"epoch=0-step={saved_step}.ckpt"))
+    assert lengths.planned == lengths.ran

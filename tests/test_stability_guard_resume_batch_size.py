@@ -73,3 +73,69 @@ def test_a_resume_at_the_same_samples_per_step_or_from_an_older_checkpoint_keeps
         assert not said
         windows = guard.detector._grad_norm.values()  # restored, and one step more: still warm
         assert windows and all(len(window.values) >= guard.detector.warmup for window in windows)
+
+
+class _Buckets(torch.utils.data.Sampler):
+    """A user's bucketing batch sampler: it names its size otherwise than ``batch_size``."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
+
+    def __iter__(self):
+        for start in range(0, self.n - self.size + 1, self.size):
+            yield list(range(start, start + self.size))
+
+    def __len__(self) -> int:
+        return self.n // self.size
+
+
+class _BucketedMlp(_Mlp):
+    def __init__(self, batch_size: int, loaders: int = 1) -> None:
+        super().__init__(batch_size)
+        self.loaders = loaders
+
+    def training_step(self, batch, batch_idx):
+        batch = batch if self.loaders == 1 else batch["buckets"]
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def train_dataloader(self):
+        buckets = DataLoader(TensorDataset(X, Y), batch_sampler=_Buckets(len(X), self.batch_size))
+        if self.loaders == 1:
+            return buckets
+        return {
+            "buckets": buckets,
+            "other": DataLoader(TensorDataset(X, Y), batch_sampler=_Buckets(len(X), 2)),
+        }
+
+
+def _fit_bucketed(batch_size: int, max_steps: int, ckpt=None, loaders: int = 1):
+    pl.seed_everything(0)
+    guard = StabilityGuard()
+    trainer = pl.Trainer(callbacks=[guard], max_steps=max_steps, **trainer_kwargs())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_BucketedMlp(batch_size, loaders), ckpt_path=ckpt)
+    said = [str(w.message) for w in caught if str(w.message).startswith("StabilityGuard")]
+    return guard, trainer, said
+
+
+def test_a_batch_sampler_without_batch_size_is_read_from_the_first_batch(tmp_path):
+    # before: a bucketing batch sampler with no `batch_size` read as "not known", and the resume at 4 from 32
+    # kept the baselines measured at 32 without a word: 5 spikes, 25 steps skipped and a rollback
+    _, trainer, _ = _fit_bucketed(32, 100)
+    trainer.save_checkpoint(tmp_path / "bs32.ckpt")
+    state = torch.load(tmp_path / "bs32.ckpt", weights_only=False)["callbacks"]["StabilityGuard"]
+    assert state["samples_per_step"] == 32  # read from the first batch, and saved
+    guard, _, said = _fit_bucketed(4, 200, tmp_path / "bs32.ckpt")
+    figures = guard.metrics()
+    assert figures["stability/spikes"] == 0 and figures["stability/rollbacks"] == 0
+    assert len(said) == 1 and "trains 4 samples per optimizer step" in said[0] and "measured at 32" in said[0]
+    assert guard.core.samples_per_step == 4 and guard.core.samples_reader is None
+
+
+def test_baselines_kept_for_want_of_this_fits_samples_per_step_are_said(tmp_path):
+    _, trainer, _ = _fit_bucketed(32, 60)
+    trainer.save_checkpoint(tmp_path / "bs32.ckpt")
+    guard, _, said = _fit_bucketed(32, 61, tmp_path / "bs32.ckpt", loaders=2)  # two loaders: not read
+    assert len(said) == 1 and "could not be read" in said[0] and "measured at 32 samples" in said[0]
+    assert guard.detector.has_grad_norms()

@@ -186,7 +186,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         logs, device = compat.SkippedStepLogs(trainer), pl_module.device
         self._record = steps.StepRecord.of_callbacks(trainer.callbacks, HardSampleReplay, device, logs)
         self._entry_watch.watch(trainer, self._entered)  # after every batch-start hook and a cut
-        self.core.start(trainer.global_step, trainer.optimizers, pl_module, compat.samples_per_step(trainer))
+        self.core.start(trainer.global_step, trainer.optimizers, pl_module, compat.samples_reader(trainer))
         steps.warn_of_converted_baselines(self.detector, _warn_here)  # another scale, key or samples a step
         self.core.snapshot_owed = True  # the start is good: snapshot after all on_train_start (or at batch 0)
         self._moments.fit_starts(trainer, self, partial(self._take_snapshot, trainer, pl_module))

@@ -282,7 +282,8 @@ class SpikeDetector:
         self.main_key = main_key
         # what the last load_state_dict converted: {"loss_scale" or "main_key": (the state's, this one's)};
         # a checkpoint's is said (and cleared) at train start, a rollback's snapshot's is left unread
-        # (StabilityCore.start adds "samples_per_step" where a resume dropped the gradient-norm windows)
+        # (StabilityCore.start adds "samples_per_step" where a resume dropped the gradient-norm windows, or
+        # "samples_unread" where it kept them for want of this fit's number)
         self.converted: dict[str, tuple[Any, Any]] = {}
         # log(ratio) for the log-scale ratio test, computed once
         self._log_ratio = {
@@ -350,10 +351,14 @@ class SpikeDetector:
         self._loss = {}
         return held
 
+    def has_grad_norms(self) -> bool:
+        """Whether any gradient-norm window holds a value."""
+        return any(tracker.values for tracker in self._grad_norm.values())
+
     def forget_grad_norms(self) -> bool:
         """Drop every gradient-norm window (they warm up again, as in a fresh run; the loss ones stay); whether
         any held a value."""
-        held = any(tracker.values for tracker in self._grad_norm.values())
+        held = self.has_grad_norms()
         self._grad_norm = {}
         return held
 

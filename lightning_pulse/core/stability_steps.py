@@ -146,6 +146,16 @@ def warn_of_converted_baselines(detector: SpikeDetector, warn: Callable[[str], A
             "kept; non-finite steps are caught meanwhile). Resume with the checkpoint's batch size, "
             "accumulation and number of processes to keep them."
         )
+    if "samples_unread" in converted:
+        saved, _ = converted["samples_unread"]
+        warn(
+            "StabilityGuard: the samples this fit trains per optimizer step could not be read (its "
+            "training DataLoader states no `batch_size` and the first batch's size could not be read from "
+            f"its tensors), so the checkpoint's gradient-norm baselines, measured at {saved} samples per "
+            "step, were kept. If this fit trains fewer samples a step, healthy steps may be flagged until "
+            "they adapt: give the DataLoader (or its batch sampler) a `batch_size` attribute, or resume with "
+            "the checkpoint's batch size, accumulation and number of processes."
+        )
     if "main_key" in converted:
         saved, own = (key == "burst" for key in converted["main_key"])
         how = (
@@ -645,6 +655,8 @@ class StabilityCore:
         # fit's and a restored checkpoint's: the gradient norm's noise scales with it (see start)
         self.samples_per_step: int | None = None
         self.resumed_samples_per_step: int | None = None
+        # where the data states no batch size: what reads it from the fit's first micro-batch (start), once
+        self.samples_reader: Callable[[Any], int | None] | None = None
         # the optimizers ascend the loss (maximizes_loss, read at train start): every loss is judged negated
         self.maximized = False
         # (step, state, its loss counts taken back) of a flagged step in flight, as before it (_keep_before_step)
@@ -658,12 +670,15 @@ class StabilityCore:
         back. They warm up again as in a fresh run, said at train start (:func:`warn_of_converted_baselines`).
         The loss baselines stay: a mean loss's level does not depend on it, and re-warmed from a few steps of
         a trained model's small-batch losses they flagged healthy ones (0.56 against a median of 0.055 of 3)
-        that the kept windows judged fine. A checkpoint that recorded no number keeps them all, as before."""
+        that the kept windows judged fine. A checkpoint that recorded no number keeps them all, as before; one
+        that did, in a fit that cannot read its own, keeps them too and says so."""
         saved, self.resumed_samples_per_step = self.resumed_samples_per_step, None
         self.samples_per_step = samples_per_step
+        if samples_per_step is None and saved is not None and self.detector.has_grad_norms():
+            self.detector.converted["samples_unread"] = (saved, None)
         if saved is None or samples_per_step is None or saved == samples_per_step:
             return
-        for snapshot in self.resumed_snapshots:
+        for snapshot in (*self.resumed_snapshots, *self.schedule.ring):  # the ring's: a first-batch read
             if isinstance(detector := snapshot.extra.get("detector"), dict):
                 snapshot.extra["detector"] = {**detector, "grad_norm": {}}
         if self.detector.forget_grad_norms():
@@ -772,6 +787,10 @@ class StabilityCore:
         judge, recurring spikes as a level). Returns ``(verdict, action, cause)``. ``loss`` is the step's as
         the module returned it: judged, and kept, negated where the optimizers maximize it
         (:attr:`maximized`)."""
+        if self.samples_reader is not None:  # the fit's first step, where the data states no batch size
+            reader, self.samples_reader = self.samples_reader, None
+            self._follow_samples_per_step(reader(record.batches[0][1]) if record.batches else None)
+            warn_of_converted_baselines(self.detector, warn)
         if self.maximized and loss is not None:
             loss = -loss
         record.loss, record.key = loss, key
@@ -831,7 +850,7 @@ class StabilityCore:
         step: int | None = None,
         optimizers: Sequence[Any] = (),
         model: nn.Module | None = None,
-        samples_per_step: int | None = None,
+        samples_per_step: int | Callable[[Any], int | None] | None = None,
     ) -> None:
         """At fit start, refuse optimizers no snapshot can hold (:func:`refuse_unconsolidated_optimizers`) or
         that both ascend and descend the loss, and learn whether they maximize it (:func:`maximizes_loss`);
@@ -841,10 +860,15 @@ class StabilityCore:
         infinities). A resumed ``model`` copies the tensors its forwards write before its first step (the
         names the checkpoint holds): a skip in its first steps sets back to the values before it, as in the
         run it resumes (to the resumed snapshot instead, it undid a skipped spike's statistics kept since).
-        ``samples_per_step``: what one optimizer step trains in this fit (``None``: not known); a checkpoint's
-        baselines measured at another number are dropped (:meth:`_follow_samples_per_step`)."""
+        ``samples_per_step``: what one optimizer step trains in this fit (``None``: not known), or what reads
+        it given the fit's first micro-batch (``None`` for the batch: as set up); a checkpoint's baselines
+        measured at another number are dropped (:meth:`_follow_samples_per_step`). Where the reader cannot
+        tell at train start, it is read at the fit's first judged step (:meth:`judge_step`), once."""
         refuse_unconsolidated_optimizers(optimizers)
-        self._follow_samples_per_step(samples_per_step)
+        self.samples_reader = samples_per_step if callable(samples_per_step) else None
+        if self.samples_reader is None or (samples_per_step := self.samples_reader(None)) is not None:
+            self.samples_reader = None
+            self._follow_samples_per_step(samples_per_step)  # else: at the first judged step
         self.maximized = maximizes_loss(optimizers)
         saved, self.resumed_maximized = self.resumed_maximized, None
         if saved is not None and saved != self.maximized and self.detector.forget_losses():

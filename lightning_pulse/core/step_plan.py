@@ -559,12 +559,19 @@ def nothing_to_choose_note(
 
 
 def plan_summary(
-    plan: StepPlan, budget: float | None, run_steps: int | None = None, batch_size: int | None = None
+    plan: StepPlan,
+    budget: float | None,
+    run_steps: int | None = None,
+    batch_size: int | None = None,
+    scores_kept: bool = False,
 ) -> str:
     """One line for the log: the planned steps against plain, and the budget if one was asked for.
     ``run_steps``: the steps the run takes, where ``max_epochs`` ends it before ``plan.total_steps`` (see
     :meth:`StepPlan.run_steps`); the line states what the run will do, not the checkpoint's total.
-    ``batch_size``: the batches' ``B``, to say when no light step can choose (:func:`chooses_nothing`)."""
+    ``batch_size``: the batches' ``B``, to say when no light step can choose (:func:`chooses_nothing`).
+    ``scores_kept``: a plan that joins the run at ``plan.steps_before`` because the checkpoint's plan was
+    made on another number of processes (its sample scores restored), not a HardSampleReplay added on a
+    resume (no state of its own from before)."""
     nothing = batch_size is not None and chooses_nothing(plan, batch_size)
     if run_steps is not None and run_steps != plan.total_steps:
         plan = replace(plan, total_steps=run_steps, data_steps=None)
@@ -574,10 +581,18 @@ def plan_summary(
     if plan.from_step > plan.steps_before:  # a resume plans the rest of the run: its light steps
         rest = plan.total_steps - plan.from_step
         light = f"{plan.light_steps} of the {rest} from step {plan.from_step} on in light phases"
-    if plan.steps_before:  # HardSampleReplay added on a resume: the rest of the run is its plan
+    if (
+        plan.steps_before
+    ):  # HardSampleReplay added on a resume (or re-planned): the rest of the run is its plan
+        head = (
+            f"HardSampleReplay(mode='steps') planned this run again from step {plan.steps_before} on, with "
+            "the sample scores it restored"
+            if scores_kept
+            else f"HardSampleReplay(mode='steps') joined this run at step {plan.steps_before}, with no state "
+            "of its own from before"
+        )
         text = (
-            f"HardSampleReplay(mode='steps') joined this run at step {plan.steps_before}, with no state of "
-            f"its own from before: the rest of the run's data, from there on, takes {plan.own_steps} "
+            f"{head}: the rest of the run's data, from there on, takes {plan.own_steps} "
             f"optimizer steps instead of {plan.own_plain_steps} ({plan.spent:.3f}x; {light}"
             f"{plan.dropped_note})"
         )
