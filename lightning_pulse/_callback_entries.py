@@ -157,10 +157,45 @@ def _nested_options(cls: type, name: str, given: Any) -> tuple[str, list[str], d
     return (sub.__name__, options, init_args) if options else None
 
 
+def _class_mapping_problem(cls: type, name: str, given: Any) -> str | None:
+    """The sentence for a key of the mapping ``given`` to ``cls``'s class-typed option ``name``
+    (HardSampleReplay's ``scorer``) that such a mapping does not have (``init_arg``), checked as a callback
+    entry's keys are: its class_path first, then its keys against class_path, init_args and dict_kwargs."""
+    field_class = _field_class(cls, name) if isinstance(given, dict) else None
+    if field_class is None or field_class.__module__ == "builtins" or dataclasses.is_dataclass(field_class):
+        return None
+    unknown = [key for key in given if key not in ENTRY_KEYS]
+    if not unknown or len(unknown) == len(given):
+        return None  # options with no class_path at all: the parser's sentence asks for the class_path
+    path = given.get("class_path")
+    sub, reason = _resolve(path) if isinstance(path, str) and "." in path else (field_class, None)
+    if reason is not None:
+        subclasses = [c for c in _subclasses(field_class) if not c.__name__.startswith("_")]
+        choices = [public for c in subclasses for public in _public_paths(c)]
+        return (
+            f"`{name}.class_path` {path} cannot be imported: {reason}{_did_you_mean(path, choices)}; "
+            f"expected the import path of a {field_class.__name__}"
+        )
+    sub = sub if isinstance(sub, type) and issubclass(sub, field_class) else field_class
+    key = unknown[0]
+    if key in (_options(sub) or []):  # an option of the class written next to class_path
+        hint = f" (did you mean `{name}.init_args.{key}`?)"
+    else:
+        hint = _did_you_mean(str(key), list(ENTRY_KEYS))
+    options = "its options" if sub is field_class else f"{sub.__name__}'s options"
+    return (
+        f"`{name}.{key}` is not accepted{hint}; `{name}` takes class_path (the import path of a "
+        f"{field_class.__name__}), init_args (a mapping of {options}) or dict_kwargs"
+    )
+
+
 def _nested_problem(cls: type, init_args: dict) -> str | None:
     """The sentence for the first key of a nested config in ``init_args`` that its class does not take, with
     the field path (``meters.sampling_perod``) and the closest option."""
     for name, given in init_args.items():
+        mapping = _class_mapping_problem(cls, str(name), given)
+        if mapping is not None:
+            return mapping
         nested = _nested_options(cls, str(name), given)
         if nested is None:
             continue
@@ -302,3 +337,35 @@ def nested_named(field: str, value: Any, summary: str) -> str:
         return summary
     index, owner, name = found[0]
     return f"`{field}{f'[{index}]' if isinstance(value, list) else ''}` {owner}: `{name}.{key}`{rest}"
+
+
+def option_entry(class_path: str, path: str, value: Any, class_paths: list[str]) -> dict:
+    """The callback entry that ``--trainer.callbacks.<path>=<value>`` makes of the last callback given (of
+    class ``class_path``), as it would read in YAML: ``meters.sampling_perod=1`` is ``{class_path: ...,
+    init_args: {meters: {sampling_perod: 1}}}``. A class-typed option's mapping (``scorer.los``) gets the
+    class_path given to it before, the one of ``class_paths`` (those the parser's report names) that is its
+    type's, with an option under init_args and a key of the mapping (``scorer.init_arg.loss``) beside it."""
+    *fields, last = path.removeprefix("init_args.").split(".")
+    nested: Any = {last: value}
+    for field in reversed(fields):
+        nested = {field: nested}
+    cls = _resolve(class_path)[0]
+    ((name, given),) = nested.items()
+    field_class = _field_class(cls, name) if isinstance(cls, type) and isinstance(given, dict) else None
+    if field_class is not None and not dataclasses.is_dataclass(field_class) and "class_path" not in given:
+        typed = [
+            p for p in class_paths if isinstance(sub := _resolve(p)[0], type) and issubclass(sub, field_class)
+        ]
+        if typed:
+            options = _options(_resolve(typed[-1])[0]) or []
+            beside = any(
+                key in ENTRY_KEYS or (key not in options and _did_you_mean(str(key), list(ENTRY_KEYS)))
+                for key in given
+            )
+            given = (
+                {"class_path": typed[-1], **given}
+                if beside
+                else {"class_path": typed[-1], "init_args": given}
+            )
+            nested = {name: given}
+    return {"class_path": class_path, "init_args": nested}

@@ -40,6 +40,7 @@ from lightning_pulse._callback_entries import (
     entry_about,
     entry_named,
     nested_named,
+    option_entry,
 )
 from lightning_pulse.errors import pulse_class
 
@@ -402,7 +403,7 @@ class PulseArgumentParser(LightningArgumentParser):
             super().error(message, ex)
         summary = summarise_parser_error(message)
         if "trainer.callbacks" in message:
-            summary = self._naming_the_callback_entry(summary)
+            summary = _last_callback_named(message, summary) or self._naming_the_callback_entry(summary)
         elif (built := _CALLBACKS_BUILT.get()) is not None:  # a nested config's constructor refused a value
             summary = nested_named("trainer.callbacks", built, summary)
         if message.startswith("Problems parsing config"):  # YAML that does not parse: where, in which file
@@ -474,6 +475,40 @@ def _callbacks_on_the_command_line(args: Sequence[str]) -> str | None:
     if not given or not given[-1].lstrip().startswith(("[", "{")):
         return None  # a class path, or an appended one (`+=`): the parser's own sentence names it
     return f"trainer: {{callbacks: {given[-1]}}}"
+
+
+# the value jsonargparse reports for `--trainer.callbacks.<path>=<value>`, set on the last callback given
+_NESTED_ARGUMENT = re.compile(r"( *)Given value: NestedArg\(key='([\w.]+)', val=(.*)\)")
+
+
+def _last_callback_named(message: str, summary: str) -> str | None:
+    """For a refused key or value of a nested config given on the command line (``--trainer.callbacks.meters.
+    sampling_perod=1``, ``--trainer.callbacks.config={...}``): ``summary`` said of the last callback given, which
+    jsonargparse sets it on, as of an entry in YAML (the field's path, the closest option); ``None`` for other
+    reports, and for a callback's own option (the parser's sentence names the callback)."""
+    import ast
+
+    found = [match for line in message.splitlines() if (match := _NESTED_ARGUMENT.fullmatch(line))]
+    if not found:
+        return None
+    outer = min(found, key=lambda match: len(match.group(1)))
+    path = outer.group(2).removeprefix("init_args.")
+    try:
+        value = ast.literal_eval(outer.group(3))
+    except (ValueError, SyntaxError):
+        value = outer.group(3)
+    if "." not in path and not isinstance(value, dict):
+        return None
+    class_paths = [
+        path for path in re.findall(r"class_path '([\w.]+)'", message) if not path.endswith(".Callback")
+    ]
+    if not class_paths:
+        return None
+    entry = option_entry(class_paths[0], path, value, class_paths)
+    named = entries_problem("trainer.callbacks", entry) or nested_named("trainer.callbacks", entry, summary)
+    if named == summary:
+        return None
+    return re.sub(r"^(`[\w.]+` \w+): ", r"\1 (the last callback given): ", named, count=1)
 
 
 #: the command line the parser is reading, while it reads it

@@ -1008,3 +1008,131 @@ def test_a_wrong_value_inside_a_nested_config_names_the_entry_and_the_field_path
     assert first.startswith(f"error: `trainer.callbacks[1]` {expected}"), first
     if callback == "HardSampleReplay":
         assert first.endswith("(did you mean cross_entropy?)."), first
+
+
+_SCORER = "--trainer.callbacks.scorer=lightning_pulse.core.per_sample_loss.ForwardLossScorer"
+
+
+@pytest.mark.parametrize(
+    ("added", "expected"),
+    [
+        (
+            [
+                "--trainer.callbacks+=lightning_pulse.EnergyLogger",
+                "--trainer.callbacks.meters.sampling_perod=1",
+            ],
+            "EnergyLogger (the last callback given): `meters.sampling_perod` is not accepted (did you mean "
+            "sampling_period?); `meters` takes MeterConfig's options: sampling_period, ",
+        ),
+        (
+            [
+                "--trainer.callbacks+=lightning_pulse.StabilityGuard",
+                '--trainer.callbacks.config={"min_ration": 2}',
+            ],
+            "StabilityGuard (the last callback given): `config.min_ration` is not accepted (did you mean "
+            "min_ratio?); `config` takes StabilityGuardConfig's options: min_ratio, ",
+        ),
+        (
+            [
+                "--trainer.callbacks=lightning_pulse.EnergyLogger",
+                "--trainer.callbacks.init_args.accounting.progres_bar=1",
+            ],
+            "EnergyLogger (the last callback given): `accounting.progres_bar` is not accepted (did you mean "
+            "progress_bar?); `accounting` takes AccountingConfig's options: ",
+        ),
+        (
+            [
+                "--trainer.callbacks+=lightning_pulse.HardSampleReplay",
+                _SCORER,
+                "--trainer.callbacks.scorer.los=x",
+            ],
+            "HardSampleReplay (the last callback given): `scorer.los` is not accepted (did you mean loss?); "
+            "`scorer` takes ForwardLossScorer's options: loss, ",
+        ),
+        (
+            [
+                "--trainer.callbacks+=lightning_pulse.HardSampleReplay",
+                _SCORER,
+                "--trainer.callbacks.scorer.init_arg.loss=x",
+            ],
+            "HardSampleReplay (the last callback given): `scorer.init_arg` is not accepted (did you mean "
+            "init_args?); `scorer` takes class_path (the import path of a PerSampleScorer), init_args (a mapping of "
+            "ForwardLossScorer's options) or dict_kwargs.",
+        ),
+        (
+            ["--trainer.callbacks+=lightning_pulse.EnergyLogger", "--trainer.callbacks.meters.gpu_devices=0"],
+            "EnergyLogger (the last callback given): `meters.gpu_devices`=0 is not accepted; expected a list",
+        ),
+        (
+            [
+                "--trainer.callbacks+=lightning_pulse.ScheduledPrune",
+                "--trainer.callbacks.options.make_permanent=maybe",
+            ],
+            "ScheduledPrune (the last callback given): `options.make_permanent`=maybe is not accepted; expected "
+            "bool.",
+        ),
+    ],
+    ids=[
+        "meters-typo",
+        "config-mapping-typo",
+        "init-args-accounting-typo",
+        "scorer-typo",
+        "scorer-init-arg",
+        "meters-value",
+        "options-value",
+    ],
+)
+def test_a_nested_config_on_the_command_line_names_the_last_callback_the_field_path_and_the_closest_option(
+    tmp_path, capsys, added, expected
+):
+    # sweep-regress 4: the YAML form was named ("`trainer.callbacks[0]` EnergyLogger: `meters.sampling_perod`
+    # ..."), the same typo on the command line still read "MeterConfig: Option 'sampling_perod' is not
+    # accepted; MeterConfig accepts: ...": no callback, no field path, no "did you mean"
+    args = ["fit", "--config", PULSE_YAML, *added, "--trainer.default_root_dir", str(tmp_path)]
+    first = _first_error_line(capsys, args)
+    assert first.startswith(f"error: `trainer.callbacks` {expected}"), first
+
+
+@pytest.mark.parametrize(
+    ("scorer", "expected"),
+    [
+        (
+            {
+                "class_path": "lightning_pulse.core.per_sample_loss.ForwardLossScorer",
+                "init_arg": {"loss": "mse_loss"},
+            },
+            "`scorer.init_arg` is not accepted (did you mean init_args?); `scorer` takes class_path (the import path "
+            "of a PerSampleScorer), init_args (a mapping of ForwardLossScorer's options) or dict_kwargs.",
+        ),
+        (
+            {"class_path": "lightning_pulse.core.per_sample_loss.ForwardLossScorer", "loss": "mse_loss"},
+            "`scorer.loss` is not accepted (did you mean `scorer.init_args.loss`?); `scorer` takes class_path ",
+        ),
+        (
+            {
+                "class_pat": "lightning_pulse.core.per_sample_loss.ForwardLossScorer",
+                "init_args": {"loss": "mse_loss"},
+            },
+            "`scorer.class_pat` is not accepted (did you mean class_path?); `scorer` takes class_path ",
+        ),
+        (
+            {
+                "class_path": "lightning_pulse.core.per_sample_loss.ForwardLosScorer",
+                "init_arg": {"loss": "mse_loss"},
+            },
+            "`scorer.class_path` lightning_pulse.core.per_sample_loss.ForwardLosScorer cannot be imported: ",
+        ),
+    ],
+    ids=["init-arg", "option-beside-class-path", "class-pat", "class-path-first"],
+)
+def test_a_scorer_mappings_own_keys_are_checked_as_a_callback_entrys_are(tmp_path, capsys, scorer, expected):
+    # sweep-regress 4: a callback entry's `init_arg` got "did you mean init_args?", a scorer mapping's read
+    # "PerSampleScorer: Option 'init_arg.loss' is not accepted" (no callback, no field, no way out)
+    callbacks = [{"class_path": "lightning_pulse.HardSampleReplay", "init_args": {"scorer": scorer}}]
+    first = _first_error_line(capsys, ["fit", "--config", _pulse_config_with_callbacks(tmp_path, callbacks)])
+    assert first.startswith(f"error: `trainer.callbacks[0]` HardSampleReplay: {expected}"), first
+    if "cannot be imported" in expected:
+        assert first.endswith(
+            "(did you mean lightning_pulse.core.per_sample_loss.ForwardLossScorer?); expected "
+            "the import path of a PerSampleScorer."
+        ), first
