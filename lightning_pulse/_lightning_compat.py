@@ -974,14 +974,25 @@ class UsersBatchSizes:
     def drop_last(self, value: Any) -> None:
         self.users_batches.drop_last = value
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickled (and copied) through a module-level function: the class is made at run time, by no name
+        state = {k: v for k, v in vars(self).items() if k != "users_batches"}
+        return _users_batches_again, (type(self).__mro__[1], state, self.users_batches)
+
+
+def _users_batches_again(base: type, state: dict[str, Any], users_batches: Any) -> Any:
+    copied = base.__new__(base)
+    copied.__dict__.update(state, batch_size=users_batches.batch_size, drop_last=users_batches.drop_last)
+    return _batches_of_its_own(users_batches, copied)
+
 
 _users_batch_size_classes: dict[type, type] = {}
 
 
-def _batches_of_its_own(batches: Any) -> Any:
+def _batches_of_its_own(batches: Any, copied: Any = None) -> Any:
     """A copy of the ``BatchSampler`` ``batches`` with its own ``sampler`` and ``batches``' sizes
     (:class:`UsersBatchSizes`); a plain copy where ``batches`` keeps its sizes otherwise than as attributes."""
-    copied = copy.copy(batches)
+    copied = copy.copy(batches) if copied is None else copied
     if not {"batch_size", "drop_last"} <= vars(copied).keys():
         return copied
     base = type(batches)
@@ -991,6 +1002,8 @@ def _batches_of_its_own(batches: Any) -> Any:
             "__slots__": (),
             "batch_size": UsersBatchSizes.batch_size,
             "drop_last": UsersBatchSizes.drop_last,
+            # built again by its class (Lightning's re-instantiation of a loader): a plain one of the user's
+            "__new__": lambda cls, *args, **kwargs: base(*args, **kwargs),
         }
         _users_batch_size_classes[base] = type(base.__name__, (base, UsersBatchSizes), sizes)
     copied.__class__ = _users_batch_size_classes[base]

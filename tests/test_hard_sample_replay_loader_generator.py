@@ -113,3 +113,37 @@ def test_the_warm_up_trains_the_plain_runs_batches_with_a_loader_generator(sampl
         seen = [i for batch, at in zip(replayed.seen, replayed.epochs) if at == epoch for i in batch]
         assert len(set(seen)) == len(seen)
         assert epoch > 0 or sorted(seen) == list(range(samples))
+
+
+def test_a_pass_ending_in_a_light_window_leaves_the_generator_where_the_plain_pass_does():
+    # a review: the drain keyed on the plan's own last batch; the plain pass's last batch (250 % 16) decides
+    def make():
+        sampler = RandomSampler(range(250), generator=torch.Generator().manual_seed(7))
+        return sampler, BatchSampler(sampler, 16, False)
+
+    plain_sampler, plain = make()
+    batches = iter(plain)
+    for _ in range(len(plain)):  # a loader without workers reads len() batches
+        next(batches)
+    sampler, source = make()
+    planned = PlannedBatchSampler(source, lambda: (0, [32] * 7 + [26]), len(plain))
+    windows = iter(planned)
+    for _ in range(8):
+        next(windows)
+    assert torch.equal(plain_sampler.generator.get_state(), sampler.generator.get_state())
+
+
+def test_the_drain_reads_no_more_than_the_length_promises():
+    # a review: a sampler with a length that never stops iterating hung the pass's end
+    class Endless(torch.utils.data.Sampler):
+        def __len__(self):
+            return 20
+
+        def __iter__(self):
+            index = 0
+            while True:
+                yield index % 20
+                index += 1
+
+    planned = PlannedBatchSampler(BatchSampler(Endless(), 8, False), lambda: (0, [8, 8, 4]), 3)
+    assert [len(batch) for batch in planned] == [8, 8, 4]

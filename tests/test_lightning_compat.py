@@ -712,3 +712,20 @@ def test_training_copy_has_its_own_sampler_and_the_users_batch_size_and_drop_las
         assert [len(b) for b in copied.batch_sampler] == [3] and len(copied) == 1
         copied.batch_sampler.batch_size = 2
         assert user.batch_sampler.batch_size == 2 and len(user) == 10
+
+
+def test_the_training_copy_pickles_and_lightning_rebuilds_it():
+    # a review: the copy's class is made at run time; pickling it and Lightning's re-instantiation both failed
+    import pickle
+
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = TensorDataset(torch.arange(20.0))
+    user = DataLoader(data, batch_size=8)
+    copied = compat.training_copy(user)
+    again = pickle.loads(pickle.dumps(copied.batch_sampler))
+    assert again.batch_size == 8 and [len(batch) for batch in again] == [8, 8, 4]
+    rebuilt = _update_dataloader(copied, DistributedSampler(data, num_replicas=2, rank=0))
+    assert rebuilt.batch_sampler.batch_size == 8 and len(rebuilt) == 2

@@ -338,6 +338,10 @@ class PlannedBatchSampler(BatchSampler):
         # (RandomSampler) draws once more there, so a pass that stopped short left it a draw behind: the next
         # epoch's shuffle was another than the plain run's
         ends = self._ends_data(skip + int(sum(sizes)))
+        # the plain pass's last batch is short (it read its sampler to the end before yielding it) whatever
+        # the plan's last window is; at most the indices the length promises, and the one that ends them, are read
+        short_end = ends and not self.drop_last and len(self.sampler) % self.batch_size != 0  # type: ignore[arg-type]
+        rest = len(self.sampler) - skip - int(sum(sizes)) + 1 if ends else 0  # type: ignore[arg-type]
         # windows in blocks of CHOOSE_BLOCK batches (the sampler's order does not depend on training), so the
         # light ones of a block are chosen in one call, and a huge dataset's pass is never held whole
         ordinal = self._first_ordinal
@@ -357,15 +361,15 @@ class PlannedBatchSampler(BatchSampler):
                 self.fixed_ahead += k < given
                 if recorder is not None:
                     recorder.record_batch(batch if cut is None else cut.indices.numpy())
-                if ends and first + k == len(sizes) - 1 and len(batch) < self.batch_size:
-                    for _ in source:
+                if short_end and first + k == len(sizes) - 1:
+                    for _ in islice(source, rest):
                         pass
                 yield batch if cut is None else cut.indices.tolist()
             if len(batches) < len(block):  # the sampler ran out
                 return
             ordinal += len(block)
         if ends:
-            for _ in source:
+            for _ in islice(source, rest):
                 pass
 
     def _ends_data(self, taken: int) -> bool:
