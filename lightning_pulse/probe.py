@@ -7,7 +7,9 @@ not core; it lives apart because two callbacks share it.
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import inspect
 import math
 import types
@@ -17,6 +19,7 @@ from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -269,29 +272,29 @@ def batch_copy(
     lists, tuples and mappings; any other object holding tensors (a dataclass, a batch class with ``.to()``,
     which Lightning moves as it is, one with ``__slots__`` such as ``dataclass(slots=True)`` or an attrs
     class, or one holding them through another object) copied along the paths to its tensors, those cloned,
-    as an in-place change in it would reach the kept batch. Every object that leads to no tensor (a lock, a
-    file or database handle, a tokenizer) and every module or dataset the batch refers to is shared, not
-    copied. An object holding no tensor is passed as it is; one that still cannot be copied too, said once per
-    class in ``uncopied`` (``"<owner>: ..."``; ``use``: what gets the batch)."""
+    and with the plain data it holds (a list, dict, set, deque, numpy array or dataclass: ``_DATA``), as an
+    in-place change in it would reach the kept batch. Every other object that leads to no tensor (a lock, a
+    file or database handle, a tokenizer), plain data that will not copy, and every module or dataset the batch
+    refers to is shared, not copied. An object holding no tensor is passed as it is; one that still cannot be
+    copied too, said once per class in ``uncopied`` (``"<owner>: ..."``; ``use``: what gets the batch)."""
 
     def copied(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value.clone()
-        memo = _copy_memo(value)
-        if memo is None:
-            return value
         try:
-            return copy.deepcopy(value, memo)
+            memo = _copy_memo(value)
+            return value if memo is None else copy.deepcopy(value, memo)
         except Exception as error:  # measurement never kills a run: the batch itself, said once
             if uncopied is None or type(value) not in uncopied:
                 if uncopied is not None:
                     uncopied.add(type(value))
-                name = type(value).__qualname__
+                name, refused = type(value).__qualname__, _refused(error, value)
+                held = "" if refused is None else f"`{refused}`, which it holds on the way to its tensors: "
                 rank_zero_warn(
-                    f"{owner}: a batch of class `{name}` could not be copied ({type(error).__name__}: {error}), "
-                    f"so {use or 'it'} gets the batch itself, and an in-place change to its tensors there "
-                    f"reaches the batch as kept. Let `{name}` be deep-copied (a `__deepcopy__` that shares what "
-                    "cannot be copied) to have it copied."
+                    f"{owner}: a batch of class `{name}` could not be copied ({held}{type(error).__name__}: "
+                    f"{error}), so {use or 'it'} gets the batch itself, and an in-place change to its tensors "
+                    f"there reaches the batch as kept. Let `{refused or name}` be deep-copied (a `__deepcopy__` "
+                    "that shares what cannot be copied) to have it copied."
                 )
             return value
 
@@ -304,12 +307,18 @@ _LEAVES += (types.FunctionType, types.BuiltinFunctionType, types.MethodType, tor
 # objects a batch may refer to that are not of it: shared by its copies, not looked into (the model, a
 # dataset the batch refers back to, a loader or a sampler)
 _SOURCES = (torch.nn.Module, Dataset, DataLoader, Sampler)
+# plain data: copied with a batch where it leads to no tensor, so a step's in-place change to it (a `pop`, an
+# `append`, `*=`) stays in the copy; any other object that leads to no tensor (a handle, a tokenizer) is shared
+_DATA = (list, tuple, dict, set, frozenset, collections.deque, collections.UserDict, collections.UserList)
+_DATA += (np.ndarray,)
 
 
 def _copy_memo(value: Any) -> dict[int, Any] | None:
     """The memo that makes ``copy.deepcopy(value, memo)`` copy only the objects on the paths from ``value`` to
-    its tensors (:func:`_object_graph`): each tensor cloned (as in a list, not deep-copied: a view copies its
-    own elements, not its storage), every other object it reaches as itself. ``None`` if it holds no tensor."""
+    its tensors (:func:`_object_graph`) and the plain data they hold: each tensor cloned (as in a list, not
+    deep-copied: a view copies its own elements, not its storage), the plain data off those paths copied (each
+    tried once: what will not copy, an object array holding a lock, as itself), every other object it reaches
+    as itself. ``None`` if it holds no tensor."""
     tensors, objects, parents = _object_graph(value)
     if not tensors:
         return None
@@ -321,8 +330,44 @@ def _copy_memo(value: Any) -> dict[int, Any] | None:
                 leading.add(parent)
                 pending.append(parent)
     memo = {key: tensor.clone() for key, tensor in tensors.items()}
-    memo.update((key, item) for key, item in objects.items() if key not in leading)
+    memo[id(memo)] = [*tensors.values(), *objects.values()]  # deepcopy's keep-alive: no walked id is reused
+    children: dict[int, list[int]] = {}
+    for key, item in objects.items():
+        for parent in () if key in leading else parents.get(key, ()):
+            children.setdefault(parent, []).append(key)
+        if key not in leading and (isinstance(item, _SOURCES) or not _is_data(item)):
+            memo[key] = item  # shared
+    data: set[int] = set()  # the plain data the copied objects reach through plain data
+    pending = list(leading)
+    while pending:
+        for key in children.get(pending.pop(), ()):
+            if key not in memo and key not in data:
+                data.add(key)
+                pending.append(key)
+    for key in reversed(objects):  # each tried once, what it holds first (reached after it)
+        if key in data:
+            size = len(memo)
+            try:
+                copy.deepcopy(objects[key], memo)
+            except Exception:  # shared: what the try copied is dropped (deepcopy only adds to the memo)
+                while len(memo) > size:
+                    memo.popitem()
+                memo[key] = objects[key]
     return memo
+
+
+def _is_data(item: Any) -> bool:
+    return isinstance(item, _DATA) or dataclasses.is_dataclass(item)
+
+
+def _refused(error: Exception, batch: Any) -> str | None:
+    """The class of the object ``copy.deepcopy`` was copying when it raised ``error``, if not ``batch``'s."""
+    trace, refused = error.__traceback__, None
+    while trace is not None:
+        if trace.tb_frame.f_code is copy.deepcopy.__code__:
+            refused = trace.tb_frame.f_locals.get("x")
+        trace = trace.tb_next
+    return None if refused is None or refused is batch else type(refused).__qualname__
 
 
 def _object_graph(value: Any) -> tuple[dict[int, torch.Tensor], dict[int, Any], dict[int, list[int]]]:
@@ -349,10 +394,10 @@ def _object_graph(value: Any) -> tuple[dict[int, torch.Tensor], dict[int, Any], 
         if isinstance(item, _SOURCES):
             continue
         children: list[Any] = []
-        if isinstance(item, Mapping):
+        if isinstance(item, dict):  # another Mapping through its attributes: a shelf or h5py file is not read
             children += item.keys()
             children += item.values()
-        elif isinstance(item, (list, tuple, set, frozenset)):
+        elif isinstance(item, (list, tuple, set, frozenset, collections.deque)):
             children += item
         if type(item) not in (dict, list, tuple, set, frozenset):  # a class's own attributes too
             children += getattr(item, "__dict__", {}).values()

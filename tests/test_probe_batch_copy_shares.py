@@ -1,5 +1,6 @@
 """The copy a probe or a StabilityGuard re-run gets of a kept batch (:func:`lightning_pulse.probe.batch_copy`)
-copies only the objects on the paths to the batch's tensors and shares every other one.
+copies only the objects on the paths to the batch's tensors, and the plain data they hold, and shares every
+other one (:mod:`tests.test_probe_batch_copy_plain_data`: the plain data).
 
 Found by a sweep (s45, problem 2): the copy deep-copied every object a batch class reached besides its
 tensors. A batch holding a lock, an open file or a database reader raised ``TypeError: cannot pickle
@@ -57,7 +58,8 @@ class _Batch:
 
 
 def test_a_copy_shares_what_leads_to_no_tensor_and_copies_the_paths_to_the_tensors():
-    reader, table, plain = _Reader(), _Table(), {"rows": np.zeros((4, 3)), "names": ["a", "b"]}
+    reader, table = _Reader(), _Table()
+    plain = {"rows": np.zeros((4, 3)), "names": ["a", "b"], "reader": reader}
     inner = _Batch(torch.ones(2), torch.zeros(2), reader=reader)
     batch = _Batch(torch.ones(2, 3), torch.zeros(2), inner=inner, source=table, meta=plain, handle=reader)
 
@@ -67,10 +69,12 @@ def test_a_copy_shares_what_leads_to_no_tensor_and_copies_the_paths_to_the_tenso
     copied.x.mul_(3.0)
     copied.inner.x.mul_(3.0)
     assert batch.x.sum() == 6 and inner.x.sum() == 2  # the kept batch unchanged
-    # the handle (twice: its lock), the dataset and its table, a mapping of no tensor: shared, not copied
-    assert copied.handle is reader and copied.inner.reader is reader
+    # the handle (three times: its lock), the dataset and its table: shared, not copied
+    assert copied.handle is reader and copied.inner.reader is reader and copied.meta["reader"] is reader
     assert copied.source is table and copied.source.table is table.table
-    assert copied.meta is plain
+    # a mapping of no tensor, plain data: copied, so a step's in-place change to it stays in the copy
+    assert copied.meta is not plain and copied.meta["rows"] is not plain["rows"]
+    assert copied.meta["names"] == ["a", "b"] and copied.meta["names"] is not plain["names"]
 
 
 class _Refuses(_Batch):

@@ -1,0 +1,220 @@
+"""The copy a probe or a StabilityGuard re-run gets of a kept batch (:func:`lightning_pulse.probe.batch_copy`)
+copies the plain data a batch object holds (a list, dict, set, deque, numpy array, dataclass), tensor or not,
+so that a step's in-place change to it stays in the copy; handles stay shared.
+
+Found by a review (s45, of the copy that copies only the paths to a batch's tensors): every object leading to
+no tensor was shared, the batch's own plain data too. A ``validation_step`` that took the sample ids off its
+batch (``batch.meta.pop("ids")``) took them off the kept batch: the second PulseCycle probe crashed the fit
+with ``KeyError: 'ids'`` (at the commit before, 4 probes). An empty list the step appended to grew on the kept
+batch, a numpy mask ``*= 2`` compounded (1 -> 8 over three copies), a nested dataclass's counter ``+= 1``
+reached the kept batch (0 -> 3), and a ``deque`` of tensors, which the walk did not look into, was shared with
+its tensors (``q[0].mul_(2)``: 1 -> 8; ``popleft``: ``IndexError`` at the third copy). The walk also read every
+record of a Mapping that is no dict (an open ``shelve``: 2.9 s a copy) and, the Mapping closed, raised out of
+the copy; a nested object that refused to copy was blamed on the batch's class."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import warnings
+from collections.abc import Mapping
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_pulse import PulseCycle, StabilityGuard
+from lightning_pulse.probe import RERUN, batch_copy
+from tests.conftest import trainer_kwargs
+from tests.test_probe_batch_copy_shares import _Batch, _Reader, _Refuses
+from tests.test_probe_kept_batches import _Probes, _Samples
+from tests.test_stability_guard_batch_class_reruns import BATCHES, _Data, _ScalesItsBatch
+
+
+@dataclasses.dataclass
+class _Seen:
+    count: int = 0
+
+
+def _pop(batch):
+    batch.meta.pop("ids")
+
+
+def _append(batch):
+    batch.cache.append(batch.x.sum())
+
+
+def _scale_mask(batch):
+    batch.mask *= 2
+
+
+def _count(batch):
+    batch.seen.count += 1
+
+
+def _add(batch):
+    batch.tags.add("seen")
+
+
+def _scale_queued(batch):
+    batch.queue[0].mul_(2.0)
+
+
+def _popleft(batch):
+    batch.queue.popleft()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "step"),
+    [
+        ("meta", {"ids": ["a", "b"]}, _pop),
+        ("cache", [], _append),
+        ("mask", np.ones(2), _scale_mask),
+        ("seen", _Seen(), _count),
+        ("tags", {"a"}, _add),
+        ("queue", collections.deque([torch.ones(2)]), _scale_queued),
+        ("queue", collections.deque([torch.ones(2), torch.ones(2)]), _popleft),
+    ],
+    ids=[
+        "dict-pop",
+        "list-append",
+        "ndarray-imul",
+        "dataclass-iadd",
+        "set-add",
+        "deque-mul_",
+        "deque-popleft",
+    ],
+)
+def test_a_steps_in_place_change_to_a_field_stays_out_of_the_kept_batch(field, value, step):
+    batch = _Batch(torch.ones(2), torch.zeros(2), **{field: value}, reader=_Reader())
+    before = repr(getattr(batch, field))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # copied, not handed over with a warning
+        for _ in range(3):
+            copied = batch_copy([batch], "PulseCycle", "the probe's `validation_step`", set())[0]
+            step(copied)
+            assert copied.reader is batch.reader  # the handle beside: shared
+    assert repr(getattr(batch, field)) == before
+
+
+def test_plain_data_that_will_not_copy_is_shared_and_the_rest_copied():
+    lock = threading.Lock()
+    locks = np.array([lock], dtype=object)  # an object array holding a lock: deepcopy raises
+    batch = _Batch(torch.ones(2), torch.zeros(2), locks=locks, meta={"ids": [1, 2], "locks": locks})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copied = batch_copy(batch)
+    assert copied.locks is locks and copied.meta["locks"] is locks
+    assert copied.meta is not batch.meta and copied.meta["ids"] is not batch.meta["ids"]
+
+
+class _Closed(Mapping):
+    """A Mapping that is no dict and cannot be read (a closed ``shelve``; an h5py file or zarr group alike)."""
+
+    def __getitem__(self, key):
+        raise ValueError("invalid operation on closed shelf")
+
+    def __iter__(self):
+        raise ValueError("invalid operation on closed shelf")
+
+    def __len__(self) -> int:
+        raise ValueError("invalid operation on closed shelf")
+
+
+def test_a_mapping_that_is_no_dict_is_shared_unread():
+    closed = _Closed()
+    batch = _Batch(torch.ones(2), torch.zeros(2), reader=closed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copied = batch_copy(batch)
+    assert copied is not batch and copied.reader is closed
+
+
+def test_the_warning_names_the_object_that_refused_on_the_way_to_the_tensors():
+    batch, uncopied = (
+        _Batch(torch.ones(2), torch.zeros(2), inner=_Refuses(torch.ones(2), torch.zeros(2))),
+        set(),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert batch_copy(batch, "PulseCycle", "the probe's `validation_step`", uncopied) is batch
+    (message,) = [str(warning.message) for warning in caught]
+    assert message.startswith(
+        "PulseCycle: a batch of class `_Batch` could not be copied (`_Refuses`, which it holds on the way to its "
+        "tensors: TypeError: cannot pickle '_Refuses' object), so the probe's `validation_step` gets the batch"
+    )
+    assert "Let `_Refuses` be deep-copied" in message
+
+
+class _Meta:
+    def __init__(self, x, y, meta) -> None:
+        self.x, self.y, self.meta = x, y, meta
+
+    def to(self, *args, **kwargs):
+        self.x, self.y = self.x.to(*args, **kwargs), self.y.to(*args, **kwargs)
+        return self
+
+
+class _PopsIds(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(8, 3)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch.x), batch.y)
+
+    def validation_step(self, batch, batch_idx):
+        ids = batch.meta.pop("ids")  # takes the sample ids off its batch
+        self.log("val_loss", F.cross_entropy(self.net(batch.x), batch.y), batch_size=len(ids))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_every_probe_gets_the_metadata_a_validation_step_takes_off_its_batch(tmp_path):
+    def collate(items):
+        x, y = torch.stack([item["x"] for item in items]), torch.tensor([item["y"] for item in items])
+        return _Meta(x, y, {"ids": list(range(len(items)))})
+
+    cycle = PulseCycle(burst=3, replay=0, maintain=1, warmup=0, anneal=0, probe_batches=2)
+    probes = _Probes(cycle)
+    trainer = pl.Trainer(
+        max_steps=16, callbacks=[cycle, probes], default_root_dir=tmp_path, **trainer_kwargs()
+    )
+    loaders = [
+        DataLoader(_Samples(), batch_size=8, shuffle=shuffle, collate_fn=collate) for shuffle in (True, False)
+    ]
+    trainer.fit(_PopsIds(), *loaders)  # the 2nd probe raised KeyError: 'ids'
+    assert len(probes.seen) >= 3 and all("val_loss" in probe for probe in probes.seen)
+
+
+def test_a_stability_guard_rerun_of_a_batch_that_will_not_copy_says_so_once_naming_the_object(tmp_path):
+    def collate(items):
+        xs, ys, indices = zip(*items)
+        x, y = torch.stack(xs), torch.stack(ys)
+        return _Batch(x, y, index=indices[0], inner=_Refuses(x[:1].clone(), y[:1].clone()))
+
+    guard = StabilityGuard(
+        warmup=5, window=20, snapshot_every=5, rollback_margin=2, max_snapshots=3, rollback_after=2,
+        skip_after_rollback=2,
+    )  # fmt: skip
+    module = _ScalesItsBatch()
+    trainer = pl.Trainer(max_steps=BATCHES, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(_Data(), batch_size=16, collate_fn=collate))
+    assert len([call for call in module.calls if not call[0]]) >= 2  # re-run more than once
+    messages = [str(warning.message) for warning in caught if "could not be copied" in str(warning.message)]
+    assert messages == [
+        "StabilityGuard: a batch of class `_Batch` could not be copied (`_Refuses`, which it holds on the way to "
+        "its tensors: TypeError: cannot pickle '_Refuses' object), so "
+        f"{RERUN} gets the batch itself, and an in-place change to its tensors there reaches the batch as "
+        "kept. Let `_Refuses` be deep-copied (a `__deepcopy__` that shares what cannot be copied) to have it "
+        "copied."
+    ]
