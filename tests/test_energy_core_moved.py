@@ -169,7 +169,7 @@ def test_the_batches_of_a_fit_are_counted_kept_past_the_stop_and_a_new_fit_start
     account.stop()
 
 
-def test_a_pause_is_booked_to_stage_other_and_the_label_comes_back_without_a_data_wait():
+def test_a_pause_is_booked_to_stage_other_and_the_label_comes_back_the_wait_after_it_counts():
     clock = ManualClock()
     account = started_account(clock)
     account.begin_training(lambda: 0)
@@ -182,15 +182,17 @@ def test_a_pause_is_booked_to_stage_other_and_the_label_comes_back_without_a_dat
         clock.now += 10.0
     label = account.ledger.label
     assert (label.stage, label.phase, label.cycle, label.epoch) == ("train", "burst", 0, 0)
-    account.batch_started(torch.zeros(2, 1))  # the pause is no data-loader stall
+    clock.now += 0.5  # the fetch after the pause is a data-loader stall; the pause is not
+    account.batch_started(torch.zeros(2, 1))
     clock.now += 1.0
     account.batch_ended()
     account.end_training()
     buckets = account.snapshot()["buckets"]
     account.stop()
     assert buckets["stage/other"]["seconds"] == pytest.approx(10.0)
-    assert buckets["phase/burst"]["seconds"] == pytest.approx(2.0)
-    assert buckets["phase/burst"]["stall_s"] == 0.0
+    assert buckets["phase/burst"]["seconds"] == pytest.approx(2.5)
+    assert buckets["phase/burst"]["stall_s"] == pytest.approx(0.5)
+    assert buckets["phase/burst"]["loop_s"] == pytest.approx(2.5)  # the wait plus both batches' own time
     idle = EnergyAccount(None, None)  # no fit: nothing to book, the block runs all the same
     with idle.not_training():
         ran = True

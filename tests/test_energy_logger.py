@@ -219,11 +219,88 @@ def test_data_loader_stall_share_is_measured_per_phase(tmp_path):
     fit.fit(MNIST1DClassifier(arch="mlp"), SlowToFetch(clock, fetch=0.25))
 
     phases = energy.report["phases"]
-    # each gap between two batches of one phase holds one fetch: stall / (stall + step)
+    # every batch waits for its own fetch, a phase's first and an epoch's first too: stall / (stall + step)
     for phase, seconds in step.items():
         assert phases[phase]["stall_share"] == pytest.approx(0.25 / (0.25 + seconds))
-        assert phases[phase]["stall_s"] > 0
+        assert phases[phase]["stall_s"] == pytest.approx(0.25 * phases[phase]["steps"])
     assert phases["burst"]["steps"] + phases["replay"]["steps"] + phases["maintain"]["steps"] == 24
+
+
+class SlowBatches(SlowToFetch):
+    """As SlowToFetch (in order), plus `epoch_wait` seconds before each epoch's first batch (the loader's
+    iterator: workers starting, a cold cache) and `extra` more for the batches of each epoch in `slow`."""
+
+    def __init__(self, clock: ManualClock, fetch: float, epoch_wait: float, slow: set[int], extra: float):
+        super().__init__(clock, fetch)
+        self.epoch_wait, self.slow, self.extra, self.index = epoch_wait, slow, extra, 0
+
+    def train_dataloader(self) -> DataLoader:
+        loader, data = super().train_dataloader(), self
+
+        class Sampler(torch.utils.data.SequentialSampler):
+            def __iter__(self):
+                data.clock.now += data.epoch_wait
+                data.index = 0
+                return super().__iter__()
+
+        def slow_collate(items):
+            data.clock.now += data.extra if data.index in data.slow else 0.0
+            data.index += 1
+            return loader.collate_fn(items)
+
+        return DataLoader(
+            loader.dataset, batch_size=BATCH, sampler=Sampler(loader.dataset), collate_fn=slow_collate
+        )
+
+
+class Evaluates(Callback):
+    """A maintain probe of `probe` seconds (after EnergyLogger's phase label) and `val` seconds a val batch."""
+
+    def __init__(self, clock: ManualClock, probe: float, val: float) -> None:
+        self.clock, self.probe, self.val = clock, probe, val
+
+    def on_pulse_phase_begin(self, trainer, pl_module, change):
+        self.clock.now += self.probe
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self.clock.now += self.val
+
+
+@pytest.mark.parametrize("energy_first", [True, False])
+def test_every_data_loader_wait_counts_after_phase_changes_validation_and_epoch_starts(
+    tmp_path, energy_first
+):
+    # phases of 1-2 steps, a validation every 4 batches: each batch's fetch (0.25 s), each epoch's first wait
+    # (1 s) and the extra 1 s of batches 2 and 7 count, in the phase of the batch that waited; the probes
+    # (5 s) and the validations (3 s a batch) do not. The loop is the waits plus each batch's own time.
+    clock = ManualClock()
+    energy = EnergyLogger(
+        cpu="constant", ram="none", meters=MeterConfig(sampling_period=0.05, cpu_watts=10.0)
+    )
+    energy.account.clock = clock
+    step = {"burst": 0.75, "replay": 0.25, "maintain": 0.5}
+    cycle = PulseCycle(burst=2, replay=1, maintain=1, warmup=0.0, anneal=0.0, maintain_eval="none")
+    order = (
+        [energy, cycle] if energy_first else [cycle, energy]
+    )  # a phase change before or after our batch end
+    callbacks = [*order, Evaluates(clock, probe=5.0, val=3.0), StepTakes(clock, step)]
+    fit = trainer(callbacks, default_root_dir=tmp_path, val_check_interval=4)
+    fit.fit(
+        MNIST1DClassifier(arch="mlp"), SlowBatches(clock, fetch=0.25, epoch_wait=1.0, slow={2, 7}, extra=1.0)
+    )
+
+    report = energy.report
+    phases = {name: report["phases"][name] for name in step}
+    assert {name: row["steps"] for name, row in phases.items()} == {"burst": 12, "replay": 6, "maintain": 6}
+    # batches 2 and 7 of an epoch train in replay and maintain (4-step cycles); every epoch starts in burst
+    expected = {"burst": 12 * 0.25 + 2 * 1.0, "replay": 6 * 0.25 + 2 * 1.0, "maintain": 6 * 0.25 + 2 * 1.0}
+    for name, row in phases.items():
+        assert row["stall_s"] == pytest.approx(expected[name])
+        own = row["steps"] * step[name]
+        assert row["loop_s"] == pytest.approx(expected[name] + own)
+        assert row["stall_share"] == pytest.approx(expected[name] / (expected[name] + own))
+    assert report["total"]["stall_s"] == pytest.approx(sum(expected.values()))
+    assert [row["stall_s"] for row in report["epochs"].values()] == pytest.approx([6.0, 6.0])
 
 
 def test_total_kwh_is_monitorable_and_logged_without_lightning_module_log(tmp_path):

@@ -241,7 +241,7 @@ class EnergyLogger(compat.PulseStateKey, Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.account.skip_gap()
+        self.account.skip_gap()  # until its end: validation is no data-loader wait
         if not trainer.sanity_checking:
             self.account.mark(stage="validation")
 
@@ -253,7 +253,7 @@ class EnergyLogger(compat.PulseStateKey, Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self.account.mark(stage="train" if self._in_train_loop else "other")
+            self.account.end_validation(self._in_train_loop)  # the next batch's fetch is a data wait
 
     @override
     @guarded_hook

@@ -72,8 +72,10 @@ COUNTING_NOTES = {
     "tokens": "non-zero `attention_mask` entries, else `input_ids` elements, else B*T of an integer (B, T) "
     "first tensor; unknown otherwise. Summed over ranks.",
     "data-loader stall": "time from on_train_batch_end to the next on_train_batch_start (fetching the next "
-    "batch, plus any hook work in between) over the time between consecutive batch starts; gaps that contain "
-    "a validation run or a phase change are left out. Averaged over ranks.",
+    "batch, plus any hook work in between) over the training loop's time (these waits plus each batch's own "
+    "time from its start to its end); after a validation run, a phase change (PulseCycle's probe), a pause and "
+    "each epoch's start hooks the wait is timed from their end, so it counts and they do not. Averaged over "
+    "ranks.",
     "ddp": "GPU energy is metered on every rank (its own device) and summed, or, for `meters.gpu_devices`, "
     "once per node (local rank 0); CPU and RAM energy once per node (local rank 0; in codecarbon's process "
     "mode its process and child processes, which hold the node's other ranks).",
@@ -512,8 +514,12 @@ class EnergyAccount:
         """The label (``phase``, ``cycle``, ``epoch``, ``stage``) changes now. Only inside a fit: a later
         validation run must not add to a finished run's figures."""
         if self.ledger is not None and self.in_fit:
+            now = self.clock()
+            if self._last_batch_start is not None:  # inside a batch's end hooks (a phase change): its own
+                self._loop_s += max(now - self._last_batch_start, 0.0)  # time ends here, in its label
+                self._last_batch_start = None
             self.fold_counts()  # what was tallied so far belongs to the label that ends here
-            self.ledger.mark(self.clock(), self.wall_clock(), **changes)
+            self.ledger.mark(now, self.wall_clock(), **changes)
 
     def begin_training(
         self, step_counter: Callable[[], int], progress: tuple[int, int] = (0, 0), loader: Any = None
@@ -580,11 +586,12 @@ class EnergyAccount:
         self._open_epoch = epoch
 
     def start_epoch(self, epoch: int, collective: Collective | None = None) -> dict[str, float]:
-        """``epoch`` starts: its label from now on, no data-loader wait before its first batch. Returns the
-        figures of the epoch this closes (:meth:`closed_epoch_metrics`), to log (every rank calls it)."""
+        """``epoch`` starts: its label from now on; the wait for its first batch (the loader's iterator,
+        workers starting) counts as a data-loader stall from here, the previous epoch's tail does not. Returns
+        the figures of the epoch this closes (:meth:`closed_epoch_metrics`), to log (every rank calls it)."""
         closing, self._open_epoch = self._open_epoch, epoch
         self.mark(epoch=epoch)
-        self.skip_gap()
+        self.restart_gap()
         if closing is None or closing == epoch:  # a fit resumed at an epoch's start: none closes here
             return {}
         return self.closed_epoch_metrics(closing, collective)
@@ -623,12 +630,12 @@ class EnergyAccount:
         Returns the cycle this change completed, whose figures are then due: the one the training was in,
         when the change comes ``after_phase`` (a phase before it) and enters a later cycle; else ``None``.
         A change with no phase before it into the phase and cycle already marked (a StabilityGuard rollback
-        tells every listener its phase again) changes nothing: no label, no data wait dropped, no cycle."""
+        tells every listener its phase again) changes nothing: no label, no gap restarted, no cycle."""
         label = None if self.ledger is None else self.ledger.label
         if not after_phase and cycle == self._cycle and (label is None or label.phase == phase):
             return None
         self.mark(phase=phase, cycle=cycle)
-        self.skip_gap()  # the gap holds the phase change (maybe a probe), not a data wait
+        self.restart_gap()  # after the probe (if any): the fetch of the next batch is still a data wait
         finished, self._cycle = self._cycle, cycle
         if after_phase and finished is not None and cycle > finished:
             return finished
@@ -647,10 +654,21 @@ class EnergyAccount:
         return steps, batches * world_size
 
     def skip_gap(self) -> None:
-        """The time to the next batch holds something else (validation, a phase change, a pause): no data
-        wait. Also when it is called inside a batch's end hooks before this account's own ``batch_ended``:
-        that batch then opens no gap either (a callback listed before the EnergyLogger)."""
-        self._last_batch_end = self._last_batch_start = None
+        """The time from now holds something else (a validation run): no data wait, until
+        :meth:`restart_gap` (or the next batch's end) opens the gap again."""
+        self._last_batch_end = None
+
+    def end_validation(self, in_train_loop: bool) -> None:
+        """A fit's validation run (not its sanity check) ended: back to training (``other`` outside its
+        loop); the fetch of the next training batch, which Lightning runs after it, counts as a wait."""
+        self.mark(stage="train" if in_train_loop else "other")
+        self.restart_gap()
+
+    def restart_gap(self) -> None:
+        """What ran since the last batch's end (a validation run, a phase change's probe, a pause, an epoch's
+        start hooks) is no data wait, but the wait for the next batch from now on is: Lightning fetches it
+        after them. Dropping the gap instead lost that fetch (with phases of 1-2 steps, most of the waits)."""
+        self._last_batch_end = self.clock()
 
     @contextmanager
     def not_training(self) -> Iterator[None]:
@@ -667,7 +685,7 @@ class EnergyAccount:
             yield
         finally:
             self.mark(stage=label.stage, phase=label.phase, cycle=label.cycle, epoch=label.epoch)
-            self.skip_gap()  # the time since the last batch's end holds the pause, not a data-loader wait
+            self.restart_gap()  # the time since the last batch's end holds the pause, not a data-loader wait
 
     def batch_started(self, batch: Any, batch_idx: int = 0) -> None:
         """A training batch starts: the data-loader wait before it; its samples and tokens are counted by
@@ -677,14 +695,10 @@ class EnergyAccount:
         Runs on every batch: plain-number tallies only, folded into the ledger at the next label change or
         read-out. A token count on the device stays pending (reading it would synchronise a GPU).
         """
-        now = self.clock()
-        last_start, last_end = self._last_batch_start, self._last_batch_end
-        if last_end is not None and last_start is not None:
-            stall, loop = now - last_end, now - last_start
-            if stall > 0:
-                self._stall_s += stall
-            if loop > 0:
-                self._loop_s += loop
+        now, gap = self.clock(), self._last_batch_end
+        if gap is not None and now > gap:  # the loop's time: each wait (a stall)...
+            self._stall_s += now - gap
+            self._loop_s += now - gap
         self._last_batch_start = now
         self._batches += 1
         self.batches_started_this_fit += 1
@@ -759,7 +773,10 @@ class EnergyAccount:
 
     def batch_ended(self) -> None:
         self.count_batch()  # a batch with no backward (its step returned None) counts as loaded
-        self._last_batch_end = self.clock()
+        self._last_batch_end = now = self.clock()
+        if self._last_batch_start is not None:  # ... plus each batch's own time (unless a mark cut it)
+            self._loop_s += now - self._last_batch_start
+            self._last_batch_start = None
         self.batches_this_fit += 1
 
     def end_training(self, collective: Collective | None = None) -> None:
@@ -1354,8 +1371,8 @@ class EnergyAccount:
         self.batches_started_this_fit = self.batches_counted_this_fit = 0  # see nothing_trained
         self.step_counter: Callable[[], int] | None = None
         self._counted_step: int | None = None
-        self._last_batch_start: float | None = None
-        self._last_batch_end: float | None = None
+        self._last_batch_start: float | None = None  # the batch in flight's start, until its end (or a mark)
+        self._last_batch_end: float | None = None  # where the data-loader wait before the next batch starts
         self._batches = self._samples = self._tokens = self._token_batches = 0
         self._uncounted: Any = None  # the batch that started, until its samples are counted
         self._uncounted_index = 0  # its index in the epoch

@@ -311,8 +311,8 @@ class EnergyLedger:
         loop_s: float | None = None,
     ) -> None:
         """One training batch: its samples, its tokens (``None``: unknown) and, when known, the loop
-        iteration that led to it (``loop_s`` seconds since the previous batch started, of which ``stall_s``
-        waited for this batch).
+        iteration that led to it (``loop_s`` seconds of the training loop, of which ``stall_s`` waited for
+        this batch).
 
         Counts are tallied in plain numbers and reach the buckets at the next label change or read-out, so a
         batch costs a few additions. Call from the training thread only.
