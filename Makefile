@@ -20,8 +20,13 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m examples.demo
 
+# Two pytest-xdist workers: each test runs torch on one thread (tests/conftest.py), so one process leaves the
+# second core idle. worksteal hands each worker a contiguous half (a file's module fixtures built once) and
+# moves tests to a worker that runs dry. TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import MutableMapping
 
@@ -27,16 +28,31 @@ def generated_data_in_a_scratch_folder(tmp_path_factory):
     os.environ.pop("LIGHTNING_PULSE_DATA", None)
 
 
+_USERS_MASTER_PORT = os.environ.get("MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def a_fresh_master_port_for_each_test():
+    """Lightning's spawn launcher writes the port it picked into ``MASTER_PORT`` of this process, where every
+    later DDP fit (and child interpreter) of the session would find it: two pytest-xdist workers, each keeping
+    its first port, could hold the same one, or find theirs taken meanwhile by another run's connections. Each
+    test starts without it (unless the user set one), so a fit picks a port that is free at its launch."""
+    if _USERS_MASTER_PORT is None:
+        os.environ.pop("MASTER_PORT", None)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def nothing_written_into_the_working_directory():
     """A test writes its files (reports, checkpoints, logs) under ``tmp_path``: a report left in the working
     directory (a Trainer without ``default_root_dir``) would land in the user's checkout."""
-    import os
-
     before = set(os.listdir())
     yield
     written = sorted(set(os.listdir()) - before)
-    assert not written, f"the test wrote {written} into the working directory; give it tmp_path"
+    # under pytest-xdist the workers share the directory: a file another worker's test wrote (and removed)
+    # meanwhile is seen here too, named so that its writer can be found
+    shared = " (or a test on another pytest-xdist worker)" if os.environ.get("PYTEST_XDIST_WORKER") else ""
+    assert not written, f"the test{shared} wrote {written} into the working directory; give it tmp_path"
 
 
 def trainer_kwargs(**overrides):

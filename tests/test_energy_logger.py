@@ -991,8 +991,10 @@ def test_ddp_meters_the_listed_gpus_and_the_cpu_once_per_node(tmp_path):
 # ---------------------------------------------------------------------- start-up off the training loop
 class HeldCodecarbonStart(Callback):
     """Holds codecarbon's tracker start (its hardware detection, 1.5-3 s on a first fit) until the training
-    epoch has ended, and records what the loop saw meanwhile. ``startup_s``: how long the start then takes
-    (the hardware detection of a process's first fit; a later one is quicker)."""
+    epoch's batches have trained (at the epoch-end validation, whose monitored total waits for the start, or
+    at the epoch's end), and records what the loop saw meanwhile. ``startup_s``: how long the start then takes
+    (the hardware detection of a process's first fit; a later one is quicker). ``released``: whether the hold
+    ended by the fit's release, not by the wait's 20 s bound."""
 
     def __init__(self, monkeypatch, startup_s: float = 0.0) -> None:
         from codecarbon import OfflineEmissionsTracker
@@ -1000,12 +1002,13 @@ class HeldCodecarbonStart(Callback):
         self.release, self.returned = threading.Event(), threading.Event()
         self.start_threads: list[str] = []
         self.pending_at_first_batch: bool | None = None
-        self.session = None
+        self.session, self.released = None, None
         original = OfflineEmissionsTracker.start
 
         def held_start(tracker):
             self.start_threads.append(threading.current_thread().name)
-            self.release.wait(timeout=20.0)  # a start on the training thread would stall the fit this long
+            # a start on the training thread would stall the fit this long
+            self.released = self.release.wait(timeout=20.0)
             time.sleep(startup_s)
             original(tracker)
             self.returned.set()
@@ -1017,6 +1020,10 @@ class HeldCodecarbonStart(Callback):
             self.pending_at_first_batch = not self.returned.is_set()
             energy = next(c for c in trainer.callbacks if isinstance(c, EnergyLogger))
             self.session = chain(energy, "cpu").meter.session
+
+    def on_validation_epoch_end(self, trainer, pl_module):  # an epoch-end validation's total waits for it
+        if not trainer.sanity_checking:
+            self.release.set()
 
     def on_train_epoch_end(self, trainer, pl_module):  # runs before EnergyLogger's (listed first)
         self.release.set()
@@ -1034,6 +1041,7 @@ def test_codecarbon_starts_off_the_training_thread_and_the_first_batch_does_not_
 
     assert held.start_threads == [START_THREAD_NAME]  # once, and not on the training thread
     assert held.pending_at_first_batch is True  # the whole epoch trained while the start was held
+    assert held.released is True  # by the epoch-end validation, not after the 20 s bound
     assert fit.global_step == 4
     # the report waited for it: CPU and RAM energy from the start request on (codecarbon's first power over
     # the gap before its own start, which here spans the whole training loop)

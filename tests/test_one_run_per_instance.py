@@ -62,10 +62,14 @@ def test_a_resume_into_the_same_instances_is_not_a_second_run(tmp_path):
     assert resumed.global_step > trainer.global_step
 
 
-def test_a_tuner_search_is_refused_by_hard_sample_replay_and_not_counted_as_a_run_by_the_others():
+def test_a_tuner_search_is_refused_by_hard_sample_replay_and_not_counted_as_a_run_by_the_others(tmp_path):
     torch.manual_seed(0)
+    # the search saves (and removes) a checkpoint in `default_root_dir`: the working directory by default,
+    # which another pytest-xdist worker's test sees written into it
     with_replay = pl.Trainer(
-        callbacks=[PulseCycle(**CYCLE), HardSampleReplay()], max_epochs=2, **trainer_kwargs()
+        callbacks=[PulseCycle(**CYCLE), HardSampleReplay()],
+        max_epochs=2,
+        **trainer_kwargs(default_root_dir=tmp_path),
     )
     with pytest.raises(
         PulseRefusal, match=r"^HardSampleReplay does not take part in a Tuner search: .*LearningRate"
@@ -75,7 +79,7 @@ def test_a_tuner_search_is_refused_by_hard_sample_replay_and_not_counted_as_a_ru
         )
     # the others go through the search (it restores their state from before its trials) and then train
     cycle, guard = PulseCycle(**CYCLE), StabilityGuard()
-    trainer = pl.Trainer(callbacks=[cycle, guard], max_epochs=2, **trainer_kwargs())
+    trainer = pl.Trainer(callbacks=[cycle, guard], max_epochs=2, **trainer_kwargs(default_root_dir=tmp_path))
     model = MNIST1DClassifier()
     Tuner(trainer).lr_find(model, datamodule=_data(), num_training=10, update_attr=False)
     trainer.fit(model, _data())
