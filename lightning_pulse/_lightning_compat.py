@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -2406,7 +2407,7 @@ def restored_at_epoch_start(trainer: pl.Trainer) -> bool:
     return epochs.processed > epochs.completed and not trainer.fit_loop.restarting
 
 
-def samples_per_step(trainer: pl.Trainer, batch: Any = None) -> int | None:
+def samples_per_step(trainer: pl.Trainer, batch: Any = None, accumulation: int | None = None) -> int | None:
     """The samples one optimizer step trains, as the run is set up (at train start, after the data set-up):
     the training DataLoaders' ``batch_size`` (summed over several; a batch sampler's where the DataLoader has
     none) x ``accumulate_grad_batches`` x processes. A setting, not a count: an epoch's short last batch or a
@@ -2414,7 +2415,8 @@ def samples_per_step(trainer: pl.Trainer, batch: Any = None) -> int | None:
     batch sampler, an iterable dataset that batches itself): read from ``batch``, the fit's first micro-batch
     (Lightning's ``extract_batch_size``; summed over the processes, one all-gather, so that every rank reads
     the same number), where given; else ``None``, as where it cannot be read (several DataLoaders of which
-    one states no size, a batch without a tensor)."""
+    one states no size, a batch without a tensor). ``accumulation``: the one read at train start (where given),
+    so that both reads agree under a ``GradientAccumulationScheduler``, which sets its own at epoch start."""
     from lightning.pytorch.utilities import CombinedLoader
 
     loaders = trainer.train_dataloader
@@ -2429,29 +2431,37 @@ def samples_per_step(trainer: pl.Trainer, batch: Any = None) -> int | None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             if batch is None or len(flattened) != 1:
                 return None
-            return _samples_of_first_batch(trainer, batch)
+            return _samples_of_first_batch(trainer, batch, accumulation)
         total += size
-    return total * max(1, int(trainer.accumulate_grad_batches)) * trainer.world_size if total else None
+    windows = max(1, int(trainer.accumulate_grad_batches if accumulation is None else accumulation))
+    return total * windows * trainer.world_size if total else None
 
 
 def samples_reader(trainer: pl.Trainer) -> Callable[[Any], int | None]:
-    """:func:`samples_per_step` of ``trainer`` given a batch (``None``: as the run is set up)."""
-    return functools.partial(samples_per_step, trainer)
+    """:func:`samples_per_step` of ``trainer`` given a batch (``None``: as the run is set up), at the
+    accumulation of train start (a review: a scheduler's later one read a resume that changed nothing as one
+    at another number of samples, and dropped the baselines)."""
+    return functools.partial(samples_per_step, trainer, accumulation=int(trainer.accumulate_grad_batches))
 
 
-def _samples_of_first_batch(trainer: pl.Trainer, batch: Any) -> int | None:
+def _samples_of_first_batch(trainer: pl.Trainer, batch: Any, accumulation: int | None = None) -> int | None:
     """:func:`samples_per_step` read from the fit's first micro-batch: its size x accumulation, summed over
     the processes (``None`` where a rank could not read it)."""
     from lightning.pytorch.utilities.data import extract_batch_size
 
     try:
-        size = int(extract_batch_size(batch))
+        with (
+            warnings.catch_warnings()
+        ):  # its advice to pass `self.log(..., batch_size=)` is for the module's logs
+            warnings.simplefilter("ignore")
+            size = int(extract_batch_size(batch))
     except Exception:  # no tensor in it (MisconfigurationException), or a batch class of its own
         size = 0
     if trainer.world_size > 1:  # every rank reaches its first step: the same number on each
         sizes = trainer.strategy.all_gather(torch.tensor(size, device=trainer.strategy.root_device))
         size = 0 if int(sizes.min()) < 1 else int(sizes.sum())
-    return size * max(1, int(trainer.accumulate_grad_batches)) if size > 0 else None
+    windows = trainer.accumulate_grad_batches if accumulation is None else accumulation
+    return size * max(1, int(windows)) if size > 0 else None
 
 
 class PulseStateKey:

@@ -139,3 +139,25 @@ def test_baselines_kept_for_want_of_this_fits_samples_per_step_are_said(tmp_path
     guard, _, said = _fit_bucketed(32, 61, tmp_path / "bs32.ckpt", loaders=2)  # two loaders: not read
     assert len(said) == 1 and "could not be read" in said[0] and "measured at 32 samples" in said[0]
     assert guard.detector.has_grad_norms()
+
+
+def test_a_scheduled_accumulation_reads_alike_from_the_loader_and_from_the_first_batch(tmp_path):
+    # a review: the first-batch read took the scheduler's accumulation at the first step (4), the checkpoint the
+    # one at train start (1): a resume that changed nothing dropped the baselines and said "measured at 32"
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def fit(epochs: int, ckpt=None):
+        pl.seed_everything(0)
+        guard = StabilityGuard()
+        kwargs = {k: v for k, v in trainer_kwargs().items() if k not in ("max_epochs", "max_steps")}
+        schedule = GradientAccumulationScheduler({0: 1, 1: 4})
+        trainer = pl.Trainer(callbacks=[guard, schedule], max_epochs=epochs, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_BucketedMlp(32), ckpt_path=ckpt)
+        return guard, trainer, [str(w.message) for w in caught if str(w.message).startswith("StabilityGuard")]
+
+    _, trainer, _ = fit(2)
+    trainer.save_checkpoint(tmp_path / "scheduled.ckpt")
+    guard, _, said = fit(3, tmp_path / "scheduled.ckpt")
+    assert not said and guard.detector.has_grad_norms()

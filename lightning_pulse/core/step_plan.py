@@ -581,9 +581,8 @@ def plan_summary(
     if plan.from_step > plan.steps_before:  # a resume plans the rest of the run: its light steps
         rest = plan.total_steps - plan.from_step
         light = f"{plan.light_steps} of the {rest} from step {plan.from_step} on in light phases"
-    if (
-        plan.steps_before
-    ):  # HardSampleReplay added on a resume (or re-planned): the rest of the run is its plan
+    # HardSampleReplay added on a resume (or re-planned): the rest of the run is its plan
+    if plan.steps_before:
         head = (
             f"HardSampleReplay(mode='steps') planned this run again from step {plan.steps_before} on, with "
             "the sample scores it restored"
