@@ -949,67 +949,40 @@ def shares_validation_loader(trainer: pl.Trainer, loader: Any) -> bool:
     return any(candidate is loader for candidate in flattened)
 
 
-class UsersBatchSizes:
-    """Mixed into the copy of a user's ``BatchSampler`` that :func:`training_copy` makes: its ``sampler`` is
-    its own (an index recorder goes there), its ``batch_size`` and ``drop_last`` are the user's
-    (``users_batches``), read at every use and written there, so that a change made to either object (a
-    batch-size curriculum on the user's DataLoader or on ``trainer.train_dataloader``) reaches training as it
-    would without the copy."""
+class UsersBatchSizes(torch.utils.data.BatchSampler):
+    """The copy of a user's plain ``BatchSampler`` that :func:`training_copy` makes: its ``sampler`` is its own
+    (an index recorder goes there), its ``batch_size`` and ``drop_last`` are the user's (``users_batches``),
+    read at every use and written there, so that a change made to either object (a batch-size curriculum on
+    the user's DataLoader or on ``trainer.train_dataloader``) reaches training as it would without the copy.
+    A class of its own, by name: it pickles, and Lightning's re-instantiation of a loader
+    (``UsersBatchSizes(sampler, batch_size=..., drop_last=...)``) builds one that keeps its own sizes."""
 
-    __slots__ = ()
-    users_batches: Any
+    def _size(self, name: str) -> Any:
+        users = self.__dict__.get("users_batches")
+        return self.__dict__[f"_own_{name}"] if users is None else getattr(users, name)
 
-    @property
-    def batch_size(self) -> Any:
-        return self.users_batches.batch_size
+    def _set_size(self, name: str, value: Any) -> None:
+        users = self.__dict__.get("users_batches")
+        if users is None:
+            self.__dict__[f"_own_{name}"] = value
+        else:
+            setattr(users, name, value)
 
-    @batch_size.setter
-    def batch_size(self, value: Any) -> None:
-        self.users_batches.batch_size = value
-
-    @property
-    def drop_last(self) -> Any:
-        return self.users_batches.drop_last
-
-    @drop_last.setter
-    def drop_last(self, value: Any) -> None:
-        self.users_batches.drop_last = value
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # pickled (and copied) through a module-level function: the class is made at run time, by no name
-        state = {k: v for k, v in vars(self).items() if k != "users_batches"}
-        return _users_batches_again, (type(self).__mro__[1], state, self.users_batches)
+    batch_size = property(
+        lambda self: self._size("batch_size"), lambda self, v: self._set_size("batch_size", v)
+    )
+    drop_last = property(lambda self: self._size("drop_last"), lambda self, v: self._set_size("drop_last", v))
 
 
-def _users_batches_again(base: type, state: dict[str, Any], users_batches: Any) -> Any:
-    copied = base.__new__(base)
-    copied.__dict__.update(state, batch_size=users_batches.batch_size, drop_last=users_batches.drop_last)
-    return _batches_of_its_own(users_batches, copied)
-
-
-_users_batch_size_classes: dict[type, type] = {}
-
-
-def _batches_of_its_own(batches: Any, copied: Any = None) -> Any:
+def _batches_of_its_own(batches: Any) -> Any:
     """A copy of the ``BatchSampler`` ``batches`` with its own ``sampler`` and ``batches``' sizes
-    (:class:`UsersBatchSizes`); a plain copy where ``batches`` keeps its sizes otherwise than as attributes."""
-    copied = copy.copy(batches) if copied is None else copied
-    if not {"batch_size", "drop_last"} <= vars(copied).keys():
-        return copied
-    base = type(batches)
-    if base not in _users_batch_size_classes:
-        # the user's class first (a class layout ``__class__`` can be switched to), the sizes over its own
-        sizes = {
-            "__slots__": (),
-            "batch_size": UsersBatchSizes.batch_size,
-            "drop_last": UsersBatchSizes.drop_last,
-            # built again by its class (Lightning's re-instantiation of a loader): a plain one of the user's
-            "__new__": lambda cls, *args, **kwargs: base(*args, **kwargs),
-        }
-        _users_batch_size_classes[base] = type(base.__name__, (base, UsersBatchSizes), sizes)
-    copied.__class__ = _users_batch_size_classes[base]
-    del copied.__dict__["batch_size"], copied.__dict__["drop_last"]
-    copied.users_batches = batches
+    (:class:`UsersBatchSizes`) where ``batches`` is a plain ``BatchSampler``; a plain copy of a subclass (its
+    sizes are its own from then on: a curriculum on the user's object does not reach it)."""
+    if type(batches) is not torch.utils.data.BatchSampler:
+        return copy.copy(batches)
+    copied = UsersBatchSizes.__new__(UsersBatchSizes)
+    copied.__dict__.update((k, v) for k, v in vars(batches).items() if k not in ("batch_size", "drop_last"))
+    copied.__dict__["users_batches"] = batches
     return copied
 
 
