@@ -2423,9 +2423,8 @@ def _samples_of_first_batch(trainer: pl.Trainer, batch: Any, accumulation: int |
     from lightning.pytorch.utilities.data import extract_batch_size
 
     try:
-        with (
-            warnings.catch_warnings()
-        ):  # its advice to pass `self.log(..., batch_size=)` is for the module's logs
+        # silenced: its advice to pass `self.log(..., batch_size=)` is for the module's logs, not this read
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             size = int(extract_batch_size(batch))
     except Exception:  # no tensor in it (MisconfigurationException), or a batch class of its own
