@@ -605,6 +605,17 @@ class PhaseClock:
         return max(1, min(bounds, default=1))
 
     @property
+    def reachable_phases(self) -> tuple[Phase, ...]:
+        """The phases this clock can be in: the cycle's phases with a length, and burst where a warm-up or anneal
+        (pure burst) is set. However late a phase comes (after a long warm-up, or only in a long run), it is
+        here; a phase left out of ``order`` or of length zero never comes, in a run of any length, under any
+        :meth:`hold` (which only skips bursts) and in any resume (which keeps the ``order``)."""
+        phases = tuple(phase for phase in self.order if not self.durations[phase].is_zero)
+        if Phase.BURST not in phases and (self.warmup or self.anneal):
+            phases = (Phase.BURST, *phases)
+        return phases
+
+    @property
     def light_phases(self) -> tuple[Phase, ...]:
         """The cycle's phases other than burst that have a length (where :meth:`hold` can keep the run)."""
         return tuple(p for p in self.order if p is not Phase.BURST and not self.durations[p].is_zero)
@@ -707,16 +718,31 @@ class PhaseClock:
         """Raise ``ValueError`` for a fit this clock cannot follow: where the module steps
         ``optimizers_stepped_by_module`` optimizers itself (manual optimization with several),
         :meth:`check_steps_per_batch_unknown` first, before the clock's own, generic, run-length refusal; then
-        :meth:`check_epoch_length`."""
+        :meth:`check_epoch_length` and :meth:`check_run_length` (every share of a run of unknown length)."""
         if optimizers_stepped_by_module:
             self.check_steps_per_batch_unknown(optimizers_stepped_by_module, total_steps)
         self.check_epoch_length(batches_per_epoch)
+        self.check_run_length(total_steps)
 
     def check_run_length(self, total_steps: int | float | None) -> None:
-        """Raise ``ValueError`` if warm-up or anneal (shares of the run) cannot be placed in a run of
-        ``total_steps``."""
-        self._warmup_end(total_steps)
-        self._anneal_start(total_steps)
+        """Raise ``ValueError`` if a share of the run this clock will still read (warm-up, before it ends;
+        anneal) cannot be placed, the run having no known length (``total_steps`` infinite, no pinned span).
+
+        Every such share is named in the one message, with a way out that covers them all: checked one at a
+        time, the warm-up's way out (``warmup=0``) led to the anneal's refusal, a step into the run.
+        """
+        end = self._run_end(total_steps)
+        if end is not None and math.isfinite(end):
+            return
+        still_read = {"anneal": self.anneal}
+        if self.stage in ("pending", "warmup"):  # a resumed clock past its warm-up never reads it again
+            still_read = {"warmup": self.warmup, **still_read}
+        shares = [name for name, share in still_read.items() if share]
+        if shares:
+            given = " and ".join(f"`{name}`={getattr(self, name)!r}" for name in shares)
+            what = "is a share" if len(shares) == 1 else "are shares"
+            off = " and ".join(f"`{name}=0`" for name in shares)
+            raise ValueError(f"{given} {what} of the run, which needs {KNOWN_LENGTH}; set one, or {off}.")
 
     def check_steps_per_batch_unknown(self, optimizers: int, total_steps: float) -> None:
         """Raise ``ValueError`` for settings read in optimizer steps per epoch or per run where a batch's
@@ -1059,6 +1085,30 @@ def cycle_clock(
     durations = {"burst": burst, "replay": replay, "maintain": maintain}
     clock = PhaseClock(durations, order=list(order), warmup=warmup, anneal=anneal)
     return clock, check_cycle_options(maintain_eval, probe_batches, budget, durations, list(order))
+
+
+def unreachable_phases(owner: str, phases: Sequence[Any], clock: PhaseClock | None) -> str | None:
+    """Why ``owner``, which acts only in ``phases``, would do nothing, or ``None`` where one of them comes: next
+    to a PulseCycle whose ``clock`` has none of them (:attr:`PhaseClock.reachable_phases`), or without one
+    (``clock`` ``None``: :func:`unreachable_alone`). Only where none comes: a callback left one phase acts in it."""
+    if clock is None:
+        return unreachable_alone(owner, phases)
+    names = [getattr(phase, "value", phase) for phase in phases]
+    has = [phase.value for phase in clock.reachable_phases]
+    if any(name in has for name in names):
+        return None
+    order = [phase.value for phase in clock.order]
+    why = ", ".join(
+        f"{name!r} is left out of its `order`={order}" if name not in order else f"`{name}`=0 skips it"
+        for name in names
+    )
+    one = "that phase" if len(names) == 1 else "one of them"
+    ones = [phase.value for phase in clock.light_phases] or has  # its light phases, where it has any
+    return (
+        f"{owner}: `phases`={names} never come in the attached PulseCycle, whose phases are {has} ({why}), so "
+        f"it would do nothing in a run of any length. Give the PulseCycle {one} (in `order`, with a length "
+        f"above 0), or set {owner}'s `phases` to phases it has ({ones})."
+    )
 
 
 def unreachable_alone(owner: str, phases: Sequence[Any]) -> str | None:

@@ -139,6 +139,54 @@ def test_phases_that_never_come_without_a_pulse_cycle_are_refused(mnist1d_small,
     _refused_before_the_first_step(mnist1d_small, [callback()], r"`phases`=.* without a PulseCycle")
 
 
+def _cycle_without_replay(**options) -> PulseCycle:
+    lengths = {"burst": 4, "maintain": 2, "warmup": 0, "anneal": 0, "maintain_eval": "none"}
+    return PulseCycle(**{**lengths, **options})
+
+
+@pytest.mark.parametrize(
+    ("cycle", "callback", "why"),
+    [
+        ({"order": ["burst", "maintain"]}, HardSampleReplay, r"'replay' is left out of its `order`=\[.*\]"),
+        ({"replay": 0}, lambda: HardSampleReplay(mode="batch"), r"`replay`=0 skips it"),
+        (
+            {"order": ["burst", "maintain"]},
+            lambda: GradientCache(phases=["replay"]),
+            r"'replay' is left out of its `order`=\[.*\]",
+        ),
+    ],
+    ids=["replay-order", "replay-zero", "cache-order"],
+)
+def test_phases_the_pulse_cycle_never_has_are_refused_at_fit_start(mnist1d_small, cycle, callback, why):
+    # held-out sweep (pass 46): refused without a PulseCycle, but next to one without a replay phase they trained
+    # the whole run, selecting or freezing nothing, with no word (GradientCache even advised a longer run)
+    name = type(callback()).__name__
+    refused = (
+        rf"^{name}: `phases`=\['replay'\] never come in the attached PulseCycle, whose phases are \['burst', "
+        rf"'maintain'\] \({why}\), so it would do nothing .* Give the PulseCycle that phase \(in `order`, with "
+        rf"a length above 0\), or set {name}'s `phases` to phases it has \(\['maintain'\]\)\.$"
+    )
+    _refused_before_the_first_step(mnist1d_small, [_cycle_without_replay(**cycle), callback()], refused)
+    # its way out trains: the phases the cycle has
+    mended = (
+        HardSampleReplay(mode="batch", phases=["maintain"]) if name == "HardSampleReplay" else GradientCache()
+    )
+    model, data = mnist1d_small()
+    trainer = pl.Trainer(callbacks=[_cycle_without_replay(**cycle), mended], max_epochs=1, **trainer_kwargs())
+    trainer.fit(model, data)
+    assert trainer.global_step == 12
+
+
+def test_phases_that_come_late_or_one_phase_of_several_are_not_refused(mnist1d_small):
+    # replay comes only after a warm-up of 8 of the 12 steps; GradientCache keeps 'replay' of its two phases
+    cycle = PulseCycle(burst=2, replay=2, maintain=0, warmup=0.7, anneal=0, maintain_eval="none")
+    model, data = mnist1d_small()
+    callbacks = [cycle, HardSampleReplay(mode="batch"), GradientCache(phases=["replay", "maintain"])]
+    trainer = pl.Trainer(callbacks=callbacks, max_epochs=1, **trainer_kwargs())
+    trainer.fit(model, data)
+    assert trainer.global_step == 12 and cycle.clock.steps_by_phase["replay"] > 0
+
+
 # ---------------------------------------------------------------- the sweep's open cases, closed in the tenth pass
 @pytest.mark.parametrize(
     ("make", "match"),
@@ -456,6 +504,38 @@ def test_a_share_of_a_run_whose_stream_has_no_length_is_refused_at_fit_start(mak
         [make()],
         match + r".* a run of known length: .* max_epochs over a training DataLoader",
     )
+
+
+@pytest.mark.parametrize(
+    ("shares", "named", "way_out"),
+    [
+        ({}, "`warmup`=0.1 and `anneal`=0.1 are shares", "`warmup=0` and `anneal=0`"),
+        ({"warmup": 0}, "`anneal`=0.1 is a share", "`anneal=0`"),
+        ({"anneal": 0}, "`warmup`=0.1 is a share", "`warmup=0`"),
+    ],
+    ids=["both", "anneal", "warmup"],
+)
+def test_every_share_of_a_pulse_cycle_on_a_stream_without_length_is_named_at_fit_start(
+    shares, named, way_out
+):
+    # held-out sweep (pass 46): refused for `warmup` alone; its way out, `warmup=0`, then failed after the first
+    # optimizer step, a bare ValueError for the anneal
+    def stream():
+        return _StreamClassifier(), DataLoader(_Stream(), batch_size=20)
+
+    cycle = PulseCycle(burst=4, replay=2, maintain=2, maintain_eval="none", **shares)
+    refused = (
+        rf"^PulseCycle: {named} of the run, which needs a run of known length: .*; set one, or {way_out}\.$"
+    )
+    _refused_before_the_first_step(stream, [cycle], refused, max_epochs=2)
+    # the way out trains the whole run
+    trainer = pl.Trainer(
+        callbacks=[PulseCycle(burst=4, replay=2, maintain=2, maintain_eval="none", warmup=0, anneal=0)],
+        max_epochs=2,
+        **trainer_kwargs(),
+    )
+    trainer.fit(*stream())
+    assert trainer.global_step == 20
 
 
 def test_the_total_of_a_run_bounded_by_epochs_of_a_stream_without_length_is_unknown():

@@ -147,8 +147,10 @@ def test_a_refusal_at_fit_start_is_one_line_with_no_traceback_and_no_report(tmp_
     assert code == 2
     err = capsys.readouterr().err
     first = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert first and first[0].startswith("error: PulseCycle: `warmup`=0.1 is a share of the run"), err
-    assert "or `warmup=0`" in first[0]  # the way out
+    assert first and first[0].startswith(
+        "error: PulseCycle: `warmup`=0.1 and `anneal`=0.1 are shares of the run"
+    ), err
+    assert "or `warmup=0` and `anneal=0`" in first[0]  # the way out, for both shares
     assert "Traceback" not in err
     assert not list(tmp_path.rglob("energy_report*"))  # no report for a run that never started
 
@@ -157,7 +159,7 @@ def test_the_traceback_is_there_when_asked_for(tmp_path, monkeypatch):
     from lightning_pulse.errors import PulseRefusal
 
     monkeypatch.setenv("LIGHTNING_PULSE_TRACEBACK", "1")
-    with pytest.raises(PulseRefusal, match="PulseCycle: `warmup`=0.1 is a share of the run"):
+    with pytest.raises(PulseRefusal, match="PulseCycle: `warmup`=0.1 and `anneal`=0.1 are shares of the run"):
         main(_unbounded_run(tmp_path))
 
 

@@ -148,7 +148,9 @@ def test_a_fit_refused_at_train_start_is_named_as_one_that_trained_nothing_on_a_
     step and saved nothing."""
     callbacks = [StabilityGuard(), GradientCache(), PulseCycle(**CYCLE)]
     unbounded = pl.Trainer(callbacks=callbacks, max_epochs=-1, max_time={"seconds": 60}, **trainer_kwargs())
-    with pytest.raises(PulseRefusal, match=r"^PulseCycle: `warmup`=0.1 is a share of the run"):
+    with pytest.raises(
+        PulseRefusal, match=r"^PulseCycle: `warmup`=0.1 and `anneal`=0.1 are shares of the run"
+    ):
         unbounded.fit(MNIST1DClassifier(arch="mlp"), _data())
     assert unbounded.global_step == 0
     del unbounded  # the earlier Trainer may be gone by the next fit

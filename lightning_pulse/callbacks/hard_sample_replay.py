@@ -72,7 +72,7 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
             a Tuner search (``LearningRateFinder``/``BatchSizeFinder``), batches too small for ``mode="batch"``
             to cut at ``replay_fraction`` (the smallest that cuts is named), a ``training_step`` compiled with
             ``fullgraph=True`` unless a ``scorer`` is set (rule other than ``'infobatch'``), ``phases``
-            without ``"replay"`` and no PulseCycle (they would never come), a second run of this instance
+            that never come (none the PulseCycle has; with none, no ``"replay"``), a second run of this instance
             unless a checkpoint was restored into it, or in ``mode="steps"`` a run or sampler of unknown
             length, a resume from a mid-epoch checkpoint that holds no state of it, ``limit_train_batches``,
             ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a

@@ -22,7 +22,7 @@ from lightning_pulse.core.step_plan import resumed_without_plan as plan_lost_war
 from lightning_pulse.core.uncounted_step import UncountedStep
 from lightning_pulse.errors import OneRunPerInstance, PulseRefusal, names_itself, refusing
 from lightning_pulse.loggers import log_to_loggers, refuse_logger_only_monitors
-from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, StepTimer, cycle_clock, unreachable_alone
+from lightning_pulse.phase import PHASE_NAMES, Phase, PhaseChange, StepTimer, cycle_clock, unreachable_phases
 from lightning_pulse.probe import PROBE_COLLECTIVES, HeldOutProbe
 from lightning_pulse.protocols import PhaseListener, PhaseStartListener, listeners
 
@@ -33,10 +33,10 @@ def pulse_cycle_of(trainer: pl.Trainer | None) -> PulseCycle | None:
 
 
 def refuse_unreachable_phases(owner: str, phases: Sequence[Any], trainer: pl.Trainer) -> None:
-    """Raise :class:`~lightning_pulse.errors.PulseRefusal` when ``owner`` acts only in ``phases`` and no
-    :class:`PulseCycle` is attached: every step of such a run counts as ``replay``, so phases without it would
-    never come and the callback would do nothing, silently."""
-    if pulse_cycle_of(trainer) is None and (why := unreachable_alone(owner, phases)):
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` when ``owner`` acts only in ``phases`` and none of
+    them ever comes: the attached :class:`PulseCycle` has none (left out of its ``order``, or of length zero), or
+    none is attached and they leave out ``replay`` (every step counts as it): it would do nothing, silently."""
+    if why := unreachable_phases(owner, phases, getattr(pulse_cycle_of(trainer), "clock", None)):
         raise PulseRefusal(why)
 
 
@@ -247,13 +247,13 @@ class PulseCycle(compat.PulseStateKey, Callback):
         shares = {"warmup": self.clock.warmup, "anneal": self.clock.anneal}
         compat.note_run_shares(trainer, "PulseCycle", {} if self.plan else shares)  # a plan places its own
         stepped_itself = len(trainer.optimizers) if compat.steps_per_batch_unknown(trainer) else 0
-        with refusing("PulseCycle"):
+        with refusing("PulseCycle"):  # warm-up and anneal of a run of unknown length: named together
             self.clock.check_fit(trainer.num_training_batches, self._total_steps, stepped_itself)
         if self.clock.uses_epochs:  # an epoch is each rank's own pass: a duration in epochs needs one length
             why = "phases counted in epochs would switch at other steps on each rank"
             out = "give the durations in steps or seconds"
             compat.refuse_uneven_epochs(trainer, "PulseCycle", why, self._held, out)
-        with refusing("PulseCycle"):  # a time source that returns no number, warm-up/anneal without a length
+        with refusing("PulseCycle"):  # a time source that returns no number
             self.timer.start(trainer.global_step)
             change = self.clock.start_or_resume(self._total_steps, trainer.global_step)  # see begin_at
         self.probe.reset()
