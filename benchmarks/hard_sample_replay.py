@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -78,6 +79,16 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "pulse": {"burst": 36, "replay": 72, "maintain": 0},
     },
 }
+
+
+class ScoreOnly(HardSampleReplay):
+    """HardSampleReplay scoring every step and never selecting: in ``mode="batch"`` with phases (``("burst",)``)
+    that never come in a run without a PulseCycle, every batch trains whole. The library refuses that setting for a user, since it would do nothing but score; for
+    the score-only arm the scoring is the point, so that one fit-start refusal is passed over here."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with mock.patch("lightning_pulse.callbacks.hard_sample_replay.refuse_unreachable_phases"):
+            super().on_train_start(trainer, pl_module)
 
 
 def replay_metrics(callbacks: list[Callback], trainer: pl.Trainer | None = None) -> dict[str, Any]:
@@ -116,7 +127,7 @@ def make_arm(
 
         return Arm(name, callbacks=pulse)
     if name == "score-only":
-        return Arm(name, callbacks=lambda seed: [HardSampleReplay(phases=("burst",), seed=seed)])
+        return Arm(name, callbacks=lambda seed: [ScoreOnly(phases=("burst",), mode="batch", seed=seed)])
     rule, mode, fraction, *options = name.split("-")
     kwargs: dict[str, Any] = {"rule": rule, "mode": mode}
     if rule == "infobatch":

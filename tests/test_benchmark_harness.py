@@ -114,3 +114,18 @@ def test_stability_guards_step_hooks_on_the_optimizer_are_timed_with_its_hooks(m
     pl.Trainer(max_steps=3, callbacks=[guard, _Inspect()], **trainer_kwargs()).fit(module, data)
     assert registered == [True, True, True]
     assert timer.cpu_s["StabilityGuard"] > 0.0
+
+
+def test_the_score_only_arm_scores_every_step_where_the_library_refuses_phases_that_never_come(mnist1d_small):
+    # the benchmark's score-only arm (benchmarks/hard_sample_replay.py) uses phases no step of a run without a
+    # PulseCycle is in: a user's HardSampleReplay is refused there, the arm's scores and trains full batches
+    from benchmarks.hard_sample_replay import ScoreOnly
+
+    module, data = mnist1d_small()
+    replay = ScoreOnly(phases=("burst",), mode="batch", seed=0)
+    trainer = pl.Trainer(max_steps=6, callbacks=[replay], **trainer_kwargs())
+    trainer.fit(module, data)
+    assert trainer.global_step == 6
+    figures = replay.metrics()
+    assert figures["active_share"] == 0.0  # never selected
+    assert figures["table_seen"] == 6 * 64  # every sample of the 6 whole batches scored

@@ -61,6 +61,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.func import functional_call, grad, vmap
 
 from benchmarks.hard_sample_replay import SETTINGS as HEADLINE_SETTINGS
+from benchmarks.hard_sample_replay import ScoreOnly
 from benchmarks.harness import Arm, environment, run_one
 from benchmarks.studies import RESULTS_DIR
 from benchmarks.studies.hard_sample_replay_lm import STUDY_SETTINGS, irreducible_losses
@@ -269,7 +270,7 @@ def _score_only_and_probe(
 ) -> list[Callback]:
     # HardSampleReplay scoring every step and never selecting (the benchmark's score-only arm, which trains
     # exactly as the baseline does), listed first so its epoch-end table update precedes the probe
-    replay = HardSampleReplay(phases=("burst",), seed=seed)
+    replay = ScoreOnly(phases=("burst",), mode="batch", seed=seed)
     return [replay, SignalProbe(epochs, seed, replay, reference)]
 
 
