@@ -157,6 +157,49 @@ def _nested_options(cls: type, name: str, given: Any) -> tuple[str, list[str], d
     return (sub.__name__, options, init_args) if options else None
 
 
+def expected_class_path(cls: type) -> str:
+    """What a class-typed option (HardSampleReplay's ``scorer``) takes: ``the class_path of a PerSampleScorer
+    (...OutputKeyScorer, ...ForwardLossScorer or a subclass of your own)``, the library's own subclasses by
+    path, those next to the type (a user's subclasses elsewhere are theirs to name)."""
+    own = [
+        f"{cls.__module__}.{sub.__qualname__}"
+        for sub in cls.__subclasses__()
+        if sub.__module__ == cls.__module__
+    ]
+    examples = f" ({', '.join(own)} or a subclass of your own)" if own else ""
+    article = "an" if cls.__name__[:1] in "AEIOU" else "a"
+    return f"the class_path of {article} {cls.__name__}{examples}"
+
+
+def option_before_its_class(class_path: str, typed: str, class_paths: list[str]) -> str | None:
+    """The sentence for ``--trainer.callbacks.<typed>=<value>`` where ``typed`` is an option of a class-typed
+    option of the last callback given (of class ``class_path``) and no class was given to that option before
+    (``scorer.los``, ``scorer.init_args.los``): jsonargparse tries the option's type itself (its implicit
+    class_path, which takes no option by name) and reports its internal ``NestedArg(...)`` as the value. Named
+    as typed, with the way out: the class first. ``None`` where ``class_paths`` (those the parser's report
+    names) hold a class of the option's type (then :func:`option_entry` checks the option against it), or
+    where ``typed`` is a key of the mapping itself (``scorer.class_pth``: checked as such)."""
+    cls = _resolve(class_path)[0]
+    name, _, rest = typed.removeprefix("init_args.").partition(".")
+    field_class = _field_class(cls, name) if isinstance(cls, type) and rest else None
+    if field_class is None or field_class.__module__ == "builtins" or dataclasses.is_dataclass(field_class):
+        return None
+    given = [
+        path
+        for path in class_paths
+        if isinstance(sub := _resolve(path)[0], type)
+        and issubclass(sub, field_class)
+        and sub is not field_class
+    ]
+    key = rest.partition(".")[0]
+    if given or (key not in ("init_args", "dict_kwargs") and _did_you_mean(key, list(ENTRY_KEYS))):
+        return None
+    return (
+        f"`{typed}` was given before a class for `{name}`: give `--trainer.callbacks.{name}=<class_path>` first, "
+        f"{expected_class_path(field_class)}, then its options"
+    )
+
+
 def _class_mapping_problem(cls: type, name: str, given: Any) -> str | None:
     """The sentence for a key of the mapping ``given`` to ``cls``'s class-typed option ``name``
     (HardSampleReplay's ``scorer``) that such a mapping does not have (``init_arg``), checked as a callback

@@ -39,7 +39,9 @@ from lightning_pulse._callback_entries import (
     entries_problem,
     entry_about,
     entry_named,
+    expected_class_path,
     nested_named,
+    option_before_its_class,
     option_entry,
 )
 from lightning_pulse.errors import pulse_class
@@ -240,16 +242,8 @@ def _expected_class(block: list[str], refused_anyway: bool = False) -> tuple[str
         cls = getattr(sys.modules.get(module_name), name, None)
         if not isinstance(cls, type):
             continue
-        # the library's own, next to the type (a user's subclasses elsewhere are theirs to name)
-        own = [
-            f"{module_name}.{sub.__qualname__}"
-            for sub in cls.__subclasses__()
-            if sub.__module__ == module_name
-        ]
-        examples = f" ({', '.join(own)} or a subclass of your own)" if own else ""
         several = " or a list of them" if f"list[{path}]" in subtypes else ""
-        article = "an" if name[:1] in "AEIOU" else "a"
-        return f"the class_path of {article} {name}{examples}{several}", "NoneType" in subtypes
+        return f"{expected_class_path(cls)}{several}", "NoneType" in subtypes
     return None
 
 
@@ -505,9 +499,19 @@ def _last_callback_named(message: str, summary: str) -> str | None:
     if not class_paths:
         return None
     entry = option_entry(class_paths[0], path, value, class_paths)
-    named = entries_problem("trainer.callbacks", entry) or nested_named("trainer.callbacks", entry, summary)
+    before_its_class = option_before_its_class(class_paths[0], outer.group(2), class_paths)
+    if before_its_class is not None:
+        named = f"`trainer.callbacks` {class_paths[0].rpartition('.')[2]}: {before_its_class}."
+    else:
+        named = entries_problem("trainer.callbacks", entry) or nested_named(
+            "trainer.callbacks", entry, summary
+        )
     if named == summary:
         return None
+    # a class-typed option's field named as typed (`scorer.init_args.los`, said `scorer.los` of YAML's entry)
+    *fields, last = path.split(".")
+    if fields and path != f"{fields[0]}.{last}":
+        named = named.replace(f"`{fields[0]}.{last}`", f"`{path}`", 1)
     return re.sub(r"^(`[\w.]+` \w+): ", r"\1 (the last callback given): ", named, count=1)
 
 

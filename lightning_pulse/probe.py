@@ -25,12 +25,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.seed import isolate_rng
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.carried_state import kept_buffers, kept_carried_state, kept_python_state
 from lightning_pulse.core.optimizer_modes import at_evaluation_point
+from lightning_pulse.core.selection import entries_replaced
 from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 from lightning_pulse.core.stability_steps import DrawnState
 from lightning_pulse.loggers import log_to_loggers
@@ -269,10 +269,11 @@ def batch_copy(
     batch: Any, owner: str = "lightning_pulse", use: str = "", uncopied: set[type] | None = None
 ) -> Any:
     """A copy of a kept batch for one probe or one re-run of ``training_step``: its tensors cloned through
-    lists, tuples and mappings; any other object holding tensors (a dataclass, a batch class with ``.to()``,
-    which Lightning moves as it is, one with ``__slots__`` such as ``dataclass(slots=True)`` or an attrs
-    class, or one holding them through another object) copied along the paths to its tensors, those cloned,
-    and with the plain data it holds (a list, dict, set, deque, numpy array or dataclass: ``_DATA``), as an
+    lists, tuples and mappings, each copied with its class and instance attributes (a Hugging Face
+    ``BatchEncoding`` keeps the encodings ``word_ids()`` reads: :func:`entries_replaced`); any other object
+    holding tensors (a dataclass, a batch class with ``.to()``, which Lightning moves as it is, one with
+    ``__slots__`` such as ``dataclass(slots=True)`` or an attrs class, or one holding them through another
+    object) copied along the paths to its tensors, those cloned, and with the plain data it holds (a list, dict, set, deque, numpy array or dataclass: ``_DATA``), as an
     in-place change in it would reach the kept batch. Every other object that leads to no tensor (a lock, a
     file or database handle, a tokenizer), plain data that will not copy, and every module or dataset the batch
     refers to is shared, not copied. An object holding no tensor is passed as it is; one that still cannot be
@@ -298,7 +299,23 @@ def batch_copy(
                 )
             return value
 
-    return apply_to_collection(batch, object, copied, wrong_dtype=(Mapping, list, tuple))
+    def copied_along(value: Any) -> Any:
+        if type(value) is dict:  # the common batch
+            return {key: copied_along(item) for key, item in value.items()}
+        if type(value) in (list, tuple):
+            return type(value)([copied_along(item) for item in value])
+        if isinstance(value, (dict, collections.UserDict, list, tuple)):
+            try:  # of its class and with its attributes, as Lightning hands it over (a BatchEncoding's encodings)
+                return entries_replaced(value, copied_along)
+            except Exception:  # a class that refuses: copied as any other object, or said and shared
+                return copied(value)
+        if isinstance(value, Mapping):  # another mapping: built from its entries, as Lightning moves one
+            return type(value)(
+                collections.OrderedDict((key, copied_along(item)) for key, item in value.items())
+            )
+        return copied(value)
+
+    return copied_along(batch)
 
 
 # values that hold no tensor and are not looked into: scalars, strings, classes, modules, functions

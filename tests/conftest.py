@@ -155,3 +155,15 @@ class AttributeStoredMapping(MutableMapping):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def fast_tokenizer():
+    """A Hugging Face fast tokenizer built here (a ``tokenizers`` WordLevel model over ``w0`` ... ``w19``, no
+    download): its ``BatchEncoding`` keeps the encodings that ``word_ids()`` and ``n_sequences`` read."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(20)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]")

@@ -1062,6 +1062,30 @@ _SCORER = "--trainer.callbacks.scorer=lightning_pulse.core.per_sample_loss.Forwa
             "ForwardLossScorer's options) or dict_kwargs.",
         ),
         (
+            [
+                "--trainer.callbacks+=lightning_pulse.HardSampleReplay",
+                _SCORER,
+                "--trainer.callbacks.scorer.init_args.los=x",
+            ],
+            "HardSampleReplay (the last callback given): `scorer.init_args.los` is not accepted (did you mean "
+            "loss?); `scorer` takes ForwardLossScorer's options: loss, ",
+        ),
+        (
+            ["--trainer.callbacks+=lightning_pulse.HardSampleReplay", "--trainer.callbacks.scorer.los=x"],
+            "HardSampleReplay (the last callback given): `scorer.los` was given before a class for `scorer`: give "
+            "`--trainer.callbacks.scorer=<class_path>` first, the class_path of a PerSampleScorer ("
+            "lightning_pulse.core.per_sample_loss.OutputKeyScorer, lightning_pulse.core.per_sample_loss."
+            "ForwardLossScorer or a subclass of your own), then its options.",
+        ),
+        (
+            [
+                "--trainer.callbacks+=lightning_pulse.HardSampleReplay",
+                "--trainer.callbacks.scorer.init_args.loss=x",
+            ],
+            "HardSampleReplay (the last callback given): `scorer.init_args.loss` was given before a class for "
+            "`scorer`: give `--trainer.callbacks.scorer=<class_path>` first, the class_path of a PerSampleScorer (",
+        ),
+        (
             ["--trainer.callbacks+=lightning_pulse.EnergyLogger", "--trainer.callbacks.meters.gpu_devices=0"],
             "EnergyLogger (the last callback given): `meters.gpu_devices`=0 is not accepted; expected a list",
         ),
@@ -1080,6 +1104,9 @@ _SCORER = "--trainer.callbacks.scorer=lightning_pulse.core.per_sample_loss.Forwa
         "init-args-accounting-typo",
         "scorer-typo",
         "scorer-init-arg",
+        "scorer-init-args-typo",
+        "scorer-option-before-its-class",
+        "scorer-init-args-option-before-its-class",
         "meters-value",
         "options-value",
     ],
@@ -1089,10 +1116,13 @@ def test_a_nested_config_on_the_command_line_names_the_last_callback_the_field_p
 ):
     # sweep-regress 4: the YAML form was named ("`trainer.callbacks[0]` EnergyLogger: `meters.sampling_perod`
     # ..."), the same typo on the command line still read "MeterConfig: Option 'sampling_perod' is not
-    # accepted; MeterConfig accepts: ...": no callback, no field path, no "did you mean"
+    # accepted; MeterConfig accepts: ...": no callback, no field path, no "did you mean". Sweep s46 (finding
+    # 2): a scorer option given before any scorer class read "`scorer`=NestedArg(key='los', val='x') is not
+    # accepted", jsonargparse's internal value, and `scorer.init_args.los` was named `scorer.los`
     args = ["fit", "--config", PULSE_YAML, *added, "--trainer.default_root_dir", str(tmp_path)]
     first = _first_error_line(capsys, args)
     assert first.startswith(f"error: `trainer.callbacks` {expected}"), first
+    assert "NestedArg" not in first
 
 
 @pytest.mark.parametrize(

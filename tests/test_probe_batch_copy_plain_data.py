@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pulse import PulseCycle, StabilityGuard
 from lightning_pulse.probe import RERUN, batch_copy
-from tests.conftest import trainer_kwargs
+from tests.conftest import fast_tokenizer, trainer_kwargs
 from tests.test_probe_batch_copy_shares import _Batch, _Reader, _Refuses
 from tests.test_probe_kept_batches import _Probes, _Samples
 from tests.test_stability_guard_batch_class_reruns import BATCHES, _Data, _ScalesItsBatch
@@ -218,3 +218,93 @@ def test_a_stability_guard_rerun_of_a_batch_that_will_not_copy_says_so_once_nami
         "kept. Let `_Refuses` be deep-copied (a `__deepcopy__` that shares what cannot be copied) to have it "
         "copied."
     ]
+
+
+class _AlignsWords(pl.LightningModule):
+    """Reads its validation batch's alignment to the words (``word_ids``, ``token_to_chars``, as NER code
+    does), which only a fast tokenizer's ``BatchEncoding`` with its encodings answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(22, 8), nn.Linear(8, 2)
+
+    def _loss(self, batch):
+        logits = self.head(self.emb(batch["input_ids"])).flatten(0, 1)
+        return F.cross_entropy(logits, (batch["input_ids"] % 2).flatten())
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        words = [word for word in batch.word_ids(0) if word is not None]
+        assert batch.n_sequences == 1 and batch.token_to_chars(0, 0).start == 0
+        self.log("val_loss", self._loss(batch))
+        self.log("words", float(len(words)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_every_probe_gets_a_fast_tokenizers_batch_encoding_with_its_encodings(tmp_path):
+    # found by a sweep (s46, finding 1): the copy rebuilt the BatchEncoding from its entries, without its
+    # encodings, so the first probe's `word_ids` raised "not available when using Python based tokenizers"
+    tokenizer = fast_tokenizer()
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 6, (64,), generator=g).tolist()
+    texts = [" ".join(f"w{int(i)}" for i in torch.randint(0, 20, (n,), generator=g)) for n in lengths]
+
+    def collate(rows):
+        return tokenizer(rows, padding=True, return_tensors="pt")
+
+    cycle = PulseCycle(burst=3, replay=0, maintain=1, warmup=0, anneal=0, probe_batches=2)
+    probes = _Probes(cycle)
+    trainer = pl.Trainer(
+        max_steps=12, callbacks=[cycle, probes], default_root_dir=tmp_path, **trainer_kwargs()
+    )
+    loaders = [
+        DataLoader(texts, batch_size=8, shuffle=shuffle, collate_fn=collate) for shuffle in (True, False)
+    ]
+    trainer.fit(_AlignsWords(), *loaders)
+    assert len(probes.seen) >= 2 and all(probe["words"] >= 2 for probe in probes.seen)
+
+
+class _WithSource(dict):
+    pass
+
+
+class _ListWithSource(list):
+    pass
+
+
+class _TupleWithSource(tuple):
+    pass
+
+
+class _UserDictWithSource(collections.UserDict):
+    pass
+
+
+_Pair = collections.namedtuple("_Pair", "x meta")
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [_WithSource, _UserDictWithSource, _ListWithSource, _TupleWithSource, _Pair, collections.OrderedDict],
+)
+def test_a_container_of_a_class_of_its_own_keeps_its_class_and_attributes(kind):
+    x, meta = torch.ones(2), {"ids": [1, 2]}
+    if kind in (_WithSource, _UserDictWithSource, collections.OrderedDict):
+        batch = kind(x=x, meta=meta)
+    else:
+        batch = kind(x, meta) if kind is _Pair else kind([x, meta])
+    if kind not in (_Pair, collections.OrderedDict):
+        batch.source = ["loader"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copied = batch_copy(batch)
+    # of its class, its attributes shared (copied shallowly, as the class copies itself)
+    assert type(copied) is kind and copied is not batch
+    assert getattr(copied, "source", None) is getattr(batch, "source", None)
+    x_copy, meta_copy = (copied["x"], copied["meta"]) if isinstance(batch, Mapping) else copied
+    assert x_copy is not x and torch.equal(x_copy, x) and meta_copy == meta and meta_copy is not meta

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_pulse import StabilityGuard
-from tests.conftest import trainer_kwargs
+from tests.conftest import fast_tokenizer, trainer_kwargs
 
 POISONED = (4, 9, 12)  # batch indices whose inputs are scaled x300: a spike at any weights (the data's)
 BATCHES = 16
@@ -139,3 +139,116 @@ def test_reruns_of_a_batch_class_the_step_scales_in_place_see_the_batch_as_the_s
     # the poisoned batches spike at any weights: the data's, skipped, never rolled back
     assert guard.rollbacks == 0 and not guard.stopped
     assert {event["step"] for event in guard.events} and guard.recurring_spikes >= 1
+
+
+class _Texts(Dataset):
+    """Sentences of 2 to 5 words, labelled by their first word; the POISONED batches' rows marked."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(2, 6, (BATCHES * 16,), generator=g).tolist()
+        self.texts = [
+            " ".join(f"w{int(i)}" for i in torch.randint(0, 20, (n,), generator=g)) for n in lengths
+        ]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, index: int):
+        return self.texts[index], index // 16 in POISONED
+
+
+class _AlignsWords(pl.LightningModule):
+    """Reads its batch's word alignment in ``training_step`` (``word_ids``, as NER code does), which only a
+    fast tokenizer's ``BatchEncoding`` with its encodings answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(22, 16), nn.Linear(16, 4)
+        self.words = _Calls()  # not a list: a re-run puts the module's public lists back
+
+    def training_step(self, batch, batch_idx):
+        self.words.append(sum(word is not None for word in batch.word_ids(0)) * batch.n_sequences)
+        pooled = (self.emb(batch["input_ids"]) * batch["scale"][:, None, None]).mean(1)
+        return nn.functional.cross_entropy(self.head(pooled), batch["input_ids"][:, 0] % 4)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def test_reruns_of_a_fast_tokenizers_batch_encoding_keep_its_encodings(tmp_path):
+    # found by a sweep (s46, finding 1): a re-run's copy rebuilt the BatchEncoding from its entries, so
+    # `word_ids` raised "not available when using Python based tokenizers" in the re-run
+    tokenizer = fast_tokenizer()
+
+    def collate(rows):
+        texts, poisoned = zip(*rows)
+        batch = tokenizer(list(texts), padding=True, return_tensors="pt")
+        batch["scale"] = torch.tensor([300.0 if bad else 1.0 for bad in poisoned])
+        return batch
+
+    guard = StabilityGuard(
+        warmup=5, window=20, snapshot_every=5, rollback_margin=2, max_snapshots=3, rollback_after=2,
+        skip_after_rollback=2,
+    )  # fmt: skip
+    module = _AlignsWords()
+    trainer = pl.Trainer(max_steps=BATCHES, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(_Texts(), batch_size=16, collate_fn=collate))
+    # the re-runs raised there, so the guard took every test as inconclusive and said so
+    assert not [warning for warning in caught if "re-running training_step" in str(warning.message)]
+    assert len(module.words) > BATCHES  # re-run, each with the batch's word alignment
+    # the poisoned batches spike at any weights: the data's, skipped, never rolled back
+    assert guard.rollbacks == 0 and guard.recurring_spikes >= 1
+
+
+class _TaggedList(list):
+    """A batch class built on a list ``[x, y, {"index": i}]`` carrying what its entries do not (``source``);
+    with ``.to()``, so Lightning moves it as it is."""
+
+    def to(self, *args, **kwargs):
+        self[0], self[1] = self[0].to(*args, **kwargs), self[1].to(*args, **kwargs)
+        return self
+
+
+class _TaggedTuple(tuple):
+    """As :class:`_TaggedList`, built on a tuple."""
+
+    def to(self, *args, **kwargs):
+        moved = _TaggedTuple((self[0].to(*args, **kwargs), self[1].to(*args, **kwargs), self[2]))
+        moved.source = self.source
+        return moved
+
+
+class _ReadsItsSource(_ScalesItsBatch):
+    def training_step(self, batch, batch_idx):
+        self.calls.append((self.in_loop, batch[2]["index"], batch.source))
+        self.in_loop = False
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+
+@pytest.mark.parametrize("tagged", [_TaggedList, _TaggedTuple])
+def test_reruns_of_a_list_or_tuple_batch_class_keep_its_attributes(tmp_path, tagged):
+    # found with s46's finding 1: the batch kept at training_step's entry (containers_copied) and a re-run's
+    # copy of it were built again from their entries, without the `source` the step reads
+    def collate(items):
+        xs, ys, indices = zip(*items)
+        batch = tagged([torch.stack(xs), torch.stack(ys), {"index": indices[0]}])
+        batch.source = "loader"
+        return batch
+
+    guard = StabilityGuard(
+        warmup=5, window=20, snapshot_every=5, rollback_margin=2, max_snapshots=3, rollback_after=2,
+        skip_after_rollback=2,
+    )  # fmt: skip
+    module = _ReadsItsSource()
+    trainer = pl.Trainer(max_steps=BATCHES, callbacks=[guard], default_root_dir=tmp_path, **trainer_kwargs())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(_Data(), batch_size=16, collate_fn=collate))
+    assert not [warning for warning in caught if "re-running training_step" in str(warning.message)]
+    reruns = [call for call in module.calls if not call[0]]
+    assert reruns and all(source == "loader" for _, _, source in reruns)
+    assert guard.rollbacks == 0 and guard.recurring_spikes >= 1

@@ -35,8 +35,8 @@ import copy
 import dataclasses
 import math
 import numbers
-from collections import UserDict
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections import UserDict, UserList
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,6 +240,30 @@ def _is_dataclass_batch(value: Any) -> bool:
 _LEAVES = (Tensor, str, bytes, int, float, type(None))
 
 
+def entries_replaced(container: Any, replace: Callable[[Any], Any]) -> Any:
+    """A copy of ``container`` (a dict, list or tuple, a ``UserDict`` or ``UserList``, or a subclass of one)
+    with each entry (a mapping's values) ``replace``d, of its class and with its instance attributes: a batch
+    class built on a container carries what its entries do not (a Hugging Face ``BatchEncoding`` its
+    fast-tokenizer encodings, which ``word_ids()`` reads; built again from its entries it lost them). A mutable
+    one is copied shallowly (``copy.copy``: its class, its attributes, storage of its own) and its entries are
+    set in the copy; a tuple, which cannot change, is built again from its entries (a named tuple's field by
+    field) and given the original's attributes.
+
+    Raises:
+        Exception: what the class raises: a ``copy.copy`` it refuses, a constructor that takes no items.
+    """
+    if isinstance(container, tuple):
+        rebuilt = _rebuild(container, [replace(item) for item in container])
+        if getattr(container, "__dict__", None):  # a subclass's attributes (a named tuple has none)
+            rebuilt.__dict__.update(container.__dict__)
+        return rebuilt
+    copied = copy.copy(container)
+    entries = copied.data if isinstance(copied, (UserDict, UserList)) else copied
+    for key, value in list(entries.items() if isinstance(entries, Mapping) else enumerate(entries)):
+        entries[key] = replace(value)
+    return copied
+
+
 def containers_copied(batch: Any) -> Any:
     """``batch`` with each container in it copied (dicts and other mutable mappings, lists, dataclasses, the
     tuples that hold one of these) and everything else shared, tensors included: what a ``training_step`` that
@@ -260,7 +284,9 @@ def containers_copied(batch: Any) -> Any:
         # a short one is a batch's parts, each looked at; a long one holds per-sample items, alike
         if all(isinstance(item, _LEAVES) for item in (batch if len(batch) <= 8 else batch[:1])):
             return batch if isinstance(batch, tuple) else copy.copy(batch)  # a tuple of leaves cannot change
-        return _rebuild(batch, [containers_copied(item) for item in batch])
+        if type(batch) in (list, tuple):
+            return type(batch)([containers_copied(item) for item in batch])
+        return entries_replaced(batch, containers_copied)  # a subclass's attributes kept
     # a dict subclass holds its entries, a UserDict (a BatchEncoding, which keeps its encodings) its .data,
     # which copy.copy copies; another mapping may keep them in an attribute the copy would share: by reference
     if isinstance(batch, (dict, UserDict)):
