@@ -3,6 +3,7 @@ refused before the first training step, and the message starts with the callback
 
 from __future__ import annotations
 
+import sys
 from collections import UserDict, UserList
 from collections.abc import Sequence
 from decimal import Decimal
@@ -760,3 +761,67 @@ def test_numpy_bools_0d_arrays_and_hydra_mappings_are_taken_as_pythons():
     entries = _Pairs(UserDict(time=3600.0 * hour, value=100.0 + hour) for hour in range(4))
     series = series_from_pairs(entries)
     assert list(series.values) == [100.0, 101.0, 102.0, 103.0]
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: GradientCache(units=2),
+            r"^GradientCache: `units`=2 must be None or a non-empty list of module",
+        ),
+        (lambda: GradientCache(units=0.5), r"^GradientCache: `units`=0.5 must be None or a non-empty list"),
+        (
+            lambda: GradientCache(units=b"net"),
+            r"^GradientCache: `units`=b'net' must be None or a non-empty list",
+        ),
+        (
+            lambda: EnergyLogger(meters={"gpu_devices": 0.5}),
+            r"^EnergyLogger: `meters.gpu_devices`=0.5 must be a list of NVML indices \(int >= 0\) or GPU UUIDs",
+        ),
+        (
+            lambda: EnergyLogger(meters={"gpu_devices": float("nan")}),
+            r"^EnergyLogger: `meters.gpu_devices`=nan must be a list of NVML indices",
+        ),
+        (
+            lambda: EnergyLogger(meters={"gpu_devices": b"01"}),
+            r"^EnergyLogger: `meters.gpu_devices`=b'01' must be a list of NVML indices",
+        ),
+        (
+            lambda: StabilityGuard(max_snapshots=2**63),
+            r"^StabilityGuard: `max_snapshots`=9223372036854775808 must be an int from 1 to 9223372036854775807 "
+            r"\(sys.maxsize, the most a Python deque holds\)",
+        ),
+    ],
+    ids=[
+        "units-int",
+        "units-float",
+        "units-bytes",
+        "gpu-devices-float",
+        "gpu-devices-nan",
+        "gpu-devices-bytes",
+        "max-snapshots-huge",
+    ],
+)
+def test_a_number_where_a_list_is_asked_or_a_count_python_cannot_hold_is_refused_naming_the_field(
+    make, match
+):
+    # "'float' object is not iterable" and "Python int too large to convert to C ssize_t" named no field
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_unit_names_from_a_generator_and_the_most_snapshots_python_holds_train(mnist1d_small):
+    # a generator of names was consumed by the check and left an empty list of units; `max_snapshots` up to
+    # sys.maxsize is a count the ring holds
+    model, data = mnist1d_small(arch="mlp")
+    cache = GradientCache(units=(name for name in ["net.0", "net.2", "net.4"]), check_every=2, freeze_for=4)
+    guard = StabilityGuard(window=8, warmup=4, max_snapshots=sys.maxsize, snapshot_every=2)
+    assert cache.unit_names == ["net.0", "net.2", "net.4"]
+    trainer = pl.Trainer(callbacks=[cache, guard], max_steps=8, **trainer_kwargs())
+    trainer.fit(model, data)
+    assert trainer.global_step == 8 and [unit.name for unit in cache.freezer.units] == [
+        "net.0",
+        "net.2",
+        "net.4",
+    ]

@@ -119,12 +119,46 @@ class _GPT2WithForward(HFCausalLM):
 
 
 def test_gpt2_conv1d_layers_are_refused_in_structured_mode_before_the_first_step():
+    """Nothing else is left to cut (``lm_head`` is tied to the embedding): a held-out run was told to narrow
+    ``layer_types``, and `layer_types`=['Linear'] was refused again. The refusal names only the way that
+    works, mode='unstructured', and following it prunes the Conv1D layers."""
+    module = _GPT2WithForward()
     _refused_before_first_step(
-        _GPT2WithForward(),
+        module,
         TextWindowsDataModule("lm"),
         _prune(mode="structured"),
         r"^ScheduledPrune: structured pruning cannot run on this model: torch-pruning cannot cut Hugging Face "
-        r"Conv1D layers \(model.transformer.h.0.attn.c_attn and 7 more\)",
+        r"Conv1D layers \(model.transformer.h.0.attn.c_attn and 7 more\), and no layer of the chosen "
+        r"`layer_types` besides them is left to cut, so leaving them out \(`layer_types`, `exclude_pattern`\) "
+        r"cannot help\. Left out: "
+        r"model.lm_head .*\. Use mode='unstructured' \(its masks cut Conv1D layers too\)\.$",
+    )
+    _fit(module, TextWindowsDataModule("lm"), _prune(mode="unstructured"))
+    assert _zeros(module.model.transformer.h[0].mlp.c_fc.weight) == pytest.approx(0.5, abs=0.01)
+
+
+class _UntiedGPT2WithForward(_GPT2WithForward):
+    """GPT-2 whose ``lm_head`` has a weight of its own: a Linear layer is left besides the Conv1D ones, the
+    output layer, which is never cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2LMHeadModel
+
+        self.model.config.tie_word_embeddings = False
+        self.model = GPT2LMHeadModel(self.model.config)
+
+
+def test_gpt2_with_other_layers_is_offered_narrower_layer_types_only_where_a_trial_cut_passes():
+    module = _UntiedGPT2WithForward()
+    assert module.model.lm_head.weight is not module.model.transformer.wte.weight
+    _refused_before_first_step(
+        module,
+        TextWindowsDataModule("lm"),
+        _prune(mode="structured"),
+        r"^ScheduledPrune: structured pruning cannot run on this model: torch-pruning cannot cut Hugging Face "
+        r"Conv1D layers \(model.transformer.h.0.attn.c_attn and 7 more\)\. Use mode='unstructured' \(with "
+        r"`layer_types`=\['Linear'\], leaving them out: [^)]*\)",
     )
 
 

@@ -562,3 +562,58 @@ def test_a_fake_quantized_model_whose_every_cut_fails_names_unstructured_first_w
     prune = _prune(mode="unstructured")
     _fit(_FakeQuantized(), _vectors(), prune)
     assert prune.events[-1]["sparsity"] == pytest.approx(0.5, abs=0.01)
+
+
+class _NarrowCNN(_Classifier):
+    """Two 16-channel convs and a head: every group the cut could take is 16 channels wide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(1, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16 * 16 * 16, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.c2(torch.relu(self.c1(x)))).flatten(1))
+
+
+def test_a_min_channels_floor_that_holds_every_group_back_is_named_with_the_range_that_prunes():
+    """A held-out CNN of 16-channel convs with ``min_channels=16`` was told to narrow
+    ``layer_types``/``exclude_pattern``, which cannot help: the floor is named, with the values that cut, and
+    the highest of them prunes."""
+    module = _NarrowCNN()
+    with pytest.raises(PulseRefusal) as refused:
+        _fit(module, _images(), _prune(options={"min_channels": 16}))
+    message = str(refused.value)
+    assert "above `min_channels`=16: every group would keep all its channels" in message
+    assert "a `min_channels` from 1 to 15 lets them be cut (the trial cut passes with 15)" in message
+    assert "Lower `min_channels`" in message and "narrow" not in message
+    assert module.c1.out_channels == 16  # refused before any cut
+    _fit(module, _images(), _prune(options={"min_channels": 15}))  # the top of the range named
+    assert module.c1.out_channels == 15 and module.c2.out_channels == 15
+
+
+class _LinearsWithConv1DAdapter(_Classifier):
+    """Linear layers and a Hugging Face ``Conv1D`` side adapter, applied on request only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.a, self.b, self.h = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.adapter = Conv1D(32, 32)
+
+    def forward(self, x):
+        return self.h(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def test_conv1d_layers_next_to_others_are_told_the_layer_types_a_trial_cut_passes_with_which_then_prunes():
+    pytest.importorskip("transformers")
+    module = _LinearsWithConv1DAdapter()
+    with pytest.raises(PulseRefusal) as refused:
+        _fit(module, _vectors(), _prune())
+    assert str(refused.value).endswith(
+        "torch-pruning cannot cut Hugging Face Conv1D layers (adapter). Use mode='unstructured'; or "
+        "`layer_types`=['Linear'] to leave them out (the trial cut passes)."
+    )
+    _fit(module, _vectors(), _prune(layer_types=["Linear"]))  # followed as written
+    assert module.a.out_features == 16 and module.b.out_features == 16

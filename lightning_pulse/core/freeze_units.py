@@ -129,9 +129,11 @@ def check_unit_names(units: Sequence[str] | None) -> list[str] | None:
     """
     if units is None:
         return None
-    if isinstance(units, str) or not units or not all(isinstance(u, str) for u in units):
+    # the type before any iteration: an int or a float gave Python's bare "'int' object is not iterable"
+    names = list(units) if isinstance(units, Iterable) and not isinstance(units, (str, bytes)) else []
+    if not names or not all(isinstance(u, str) for u in names):
         raise ValueError(f"`units`={units!r} must be None or a non-empty list of module or parameter names.")
-    return list(units)
+    return names
 
 
 def order_note(units: Sequence[FreezeUnit]) -> str:

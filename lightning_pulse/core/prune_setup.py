@@ -567,7 +567,15 @@ def fit_start_selection(
         refuse_frozen_twins(model, selection.layers, pruner.mode, pruner.exclude_pattern)
     if pruner.mode == "structured":
         refuse_compiled_structured(pruner.mode, compiled, selection.layers)
-        refuse_structured(pruning.structured_blocker(model, selection), model)
+        blocker = pruning.structured_blocker(model, selection)
+        if blocker is not None and blocker.startswith(pruning.HF_CONV1D):
+            refuse_conv1d_alone(
+                blocker, selection
+            )  # else the trial cut without them decides, at the example:
+            if pruner.example_inputs is not None:  # a checkpoint's (no later check would run)
+                refuse_conv1d(blocker, model, pruner, schedule.sample_targets(), pruner.example_inputs)
+        else:
+            refuse_structured(blocker, model)
         refuse_frozen_twins(model, selection.layers, exclude=pruner.exclude_pattern)
         if getattr(model, "example_input_array", None) is not None:
             example = structured_example(model, pruner, schedule, None)
@@ -901,6 +909,8 @@ def refuse_structured(reason: str | None, model: nn.Module | None = None) -> Non
         pruning.FROZEN_COUPLING: "Unfreeze those layers, or use mode='unstructured'.",
         pruning.FROZEN_LEFT_OUT: "Unfreeze the layers to cut, or use mode='unstructured'.",
         pruning.FROZEN_AND_UNCUTTABLE: "Use mode='unstructured'.",
+        pruning.MIN_CHANNELS_FLOOR: "Lower `min_channels` (`PruneOptions(min_channels=...)`) into that range, "
+        "or use mode='unstructured'.",
         pruning.CALLED_MORE_THAN_ONCE: "Use mode='unstructured' (one mask serves every call of a shared "
         "weight), or give each call its own module (weights not shared) to cut them with mode='structured'.",
         pruning.SHARED_LEFT_OUT: "Give each layer its own weight (`b.weight = nn.Parameter(a.weight.detach()"
@@ -944,6 +954,55 @@ def refuse_structured(reason: str | None, model: nn.Module | None = None) -> Non
             f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use mode='unstructured'; "
             f"or {forward}narrow `layer_types`/`exclude_pattern` to layers that can be cut."
         )
+
+
+def _without_conv1d(selection: LayerSelection) -> dict[str, nn.Module]:
+    """The selected layers other than Hugging Face ``Conv1D``, which torch-pruning cannot cut."""
+    return {name: layer for name, layer in selection.layers.items() if not prune_targets.is_hf_conv1d(layer)}
+
+
+def refuse_conv1d_alone(reason: str, selection: LayerSelection) -> None:
+    """At fit start, :class:`PulseRefusal` for selected Hugging Face ``Conv1D`` layers (``reason``) when no
+    other selected layer is left to cut: narrowing ``layer_types`` cannot help then (HF GPT-2, whose
+    ``lm_head`` is tied to the embedding: a held-out run followed `layer_types`=['Linear'] into a second
+    refusal). Where other layers are selected, the trial cut without the ``Conv1D`` layers decides the way out,
+    once the example is known (:func:`refuse_conv1d`)."""
+    if _without_conv1d(selection):
+        return
+    raise PulseRefusal(
+        f"ScheduledPrune: structured pruning cannot run on this model: {reason}, and no layer of the chosen "
+        "`layer_types` besides them is left to cut, so leaving them out (`layer_types`, `exclude_pattern`) "
+        "cannot help."
+        f"{left_out_note(selection)} Use mode='unstructured' (its masks cut Conv1D layers too)."
+    )
+
+
+def refuse_conv1d(
+    reason: str, model: nn.Module, pruner: pruning.Pruner, targets: Sequence[float], example: Any
+) -> None:
+    """:class:`PulseRefusal` for selected Hugging Face ``Conv1D`` layers (``reason``), with `layer_types`
+    narrowed to the other selected layers' types offered as a way out only where a trial cut with them passes
+    (an output layer alone, as GPT-2's classifier head, is never cut)."""
+    others = _without_conv1d(pruner.selection(model))
+    types = list(dict.fromkeys(type(layer) for layer in others.values()))
+    names = [
+        cls.__name__ if getattr(nn, cls.__name__, None) is cls else f"{cls.__module__}.{cls.__qualname__}"
+        for cls in types
+    ]
+    narrowed = pruning.Pruner(
+        "structured", types, pruner.exclude_pattern, pruner.ranking, pruner.min_channels
+    )
+    narrowed.user_frozen, narrowed.run_precision = pruner.user_frozen, pruner.run_precision
+    narrowed.not_trained = dict(pruner.not_trained)
+    with kept_python_state(model), kept_carried_state(model):  # the user's hooks run on the check's copies
+        without = pruning.check_structured(model, narrowed, targets, example)
+    if without is None:
+        way_out = (
+            f"Use mode='unstructured'; or `layer_types`={names} to leave them out (the trial cut passes)."
+        )
+    else:
+        way_out = f"Use mode='unstructured' (with `layer_types`={names}, leaving them out: {without})."
+    raise PulseRefusal(f"ScheduledPrune: structured pruning cannot run on this model: {reason}. {way_out}")
 
 
 def refuse_compiled_structured(mode: str, compiled: Sequence[str], layers: Iterable[str]) -> None:
@@ -991,6 +1050,9 @@ def structured_example(model: nn.Module, pruner: pruning.Pruner, schedule: Prune
     except ValueError as error:
         refuse_structured(str(error), model)
     example, targets = pruning.small_example(whole), schedule.sample_targets()
+    blocker = pruning.structured_blocker(model, pruner.selection(model))
+    if blocker is not None and blocker.startswith(pruning.HF_CONV1D):
+        refuse_conv1d(blocker, model, pruner, targets, example)
     # the user's hooks run on the check's copies; one closing over the model (``self.acts.append``) writes
     # into it
     with kept_python_state(model), kept_carried_state(model):

@@ -1463,8 +1463,12 @@ def structured_blocker(model: nn.Module, selection: LayerSelection) -> str | Non
         return f"{type(model).__name__} has no `forward` to trace the model with"
     conv1d = [name for name, layer in selection.layers.items() if prune_targets.is_hf_conv1d(layer)]
     if conv1d:
-        return f"torch-pruning cannot cut Hugging Face Conv1D layers ({conv1d[0]} and {len(conv1d) - 1} more)"
+        return f"{HF_CONV1D} ({first_names(conv1d, 1)})"
     return None
+
+
+#: the start of the reason for selected Hugging Face ``Conv1D`` layers (:func:`structured_blocker`)
+HF_CONV1D = "torch-pruning cannot cut Hugging Face Conv1D layers"
 
 
 def check_structured(
@@ -1501,6 +1505,8 @@ def check_structured(
         hint = _hook_way_out(model, pruner, sparsities, example, where, pre) if hooked else None
         hint = hint or _way_out(model, pruner, sparsities, example, where)
         reason = reason if hint is None else f"{reason}; {hint}"
+    elif reason == NOTHING_TO_CUT and (floor := _min_channels_floor(model, pruner, sparsities, example)):
+        reason = floor
     elif reason == NOTHING_TO_CUT and pruner.user_frozen:
         reason = _nothing_to_cut_with_frozen(model, pruner, sparsities, example) or reason
     if reason == NOTHING_TO_CUT:
@@ -1511,6 +1517,53 @@ def check_structured(
             or reason
         )
     return reason
+
+
+def _min_channels_floor(
+    model: nn.Module, pruner: Pruner, sparsities: Sequence[float], example: Any
+) -> str | None:
+    """Why nothing could be cut when ``min_channels`` is what holds every channel group back (the trial cut
+    passes with 1): :data:`MIN_CHANNELS_FLOOR`, the groups' widths and the values that leave a group
+    channels to cut, checked by a trial cut. ``None`` with the default floor, or where 1 does not help either.
+    A held-out CNN of 16-channel convs with ``min_channels=16`` was told to narrow ``layer_types``, which
+    cannot help."""
+    if pruner.min_channels <= 1:
+        return None
+    if _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example, min_channels=1)[0] is not None:
+        return None
+    duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
+    try:
+        graph = build_dependency_graph(duplicate, as_traced(example), pruner.run_precision)
+    except Exception:  # only a message needs this: the trial cut above traced the same model
+        return None
+    trial = Pruner(
+        "structured", pruner.layer_types or None, pruner.exclude_pattern, pruner.ranking, pruner.min_channels
+    )
+    trial.user_frozen = pruner.user_frozen  # the trial cut's selection: user-frozen layers stay out
+    groups = channel_groups(graph, duplicate, trial.layers(duplicate), pruner.user_frozen)
+    if not groups:
+        return None
+    widths = {group.root: group.channels for group in groups}
+    tied = {group.root: group.tied for group in groups}
+    zeros = {root: torch.zeros(width // tied[root]) for root, width in widths.items()}
+
+    def cuts(floor: int) -> bool:
+        return bool(channels_to_remove(zeros, widths, max(sparsities), pruner.ranking, floor, tied))
+
+    # fewer channels kept at a lower floor: the highest floor that still cuts, by bisection
+    low, high = 1, pruner.min_channels - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if cuts(middle) else (low, middle - 1)
+    checked = (
+        low if _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example, low)[0] is None else 1
+    )
+    widest = max(widths, key=widths.__getitem__)
+    return (
+        f"{MIN_CHANNELS_FLOOR}={pruner.min_channels}: every group would keep all its channels (the widest, "
+        f"{widest}, has {widths[widest]}); a `min_channels` from 1 to {low} lets them be cut (the trial cut "
+        f"passes with {checked})"
+    )
 
 
 def _shared_left_out(model: nn.Module, pruner: Pruner) -> str | None:
@@ -1645,15 +1698,15 @@ def _trial_cut(
     exclude_pattern: str | None,
     sparsities: Sequence[float],
     example: Any,
+    min_channels: int | None = None,
     frozen: frozenset[str] | None = None,
 ) -> tuple[str | None, str | None]:
-    """:func:`check_structured`'s dry run on a copy, with ``exclude_pattern`` and the user-frozen layers
-    ``frozen`` (``None``: the pruner's): why the cut is not safe (or ``None``), and the module of ``model`` a
-    failing call broke in (or ``None``)."""
+    """:func:`check_structured`'s dry run on a copy, with ``exclude_pattern``, the floor ``min_channels``
+    and the user-frozen layers ``frozen`` (``None``: the pruner's): why the cut is not safe (or ``None``), and
+    the module of ``model`` a failing call broke in (or ``None``)."""
     # the events' selection: `()` goes back to the `None` it was resolved from; user-frozen layers stay out
-    trial = Pruner(
-        "structured", pruner.layer_types or None, exclude_pattern, pruner.ranking, pruner.min_channels
-    )
+    floor = pruner.min_channels if min_channels is None else min_channels
+    trial = Pruner("structured", pruner.layer_types or None, exclude_pattern, pruner.ranking, floor)
     trial.user_frozen = pruner.user_frozen if frozen is None else frozen
     trial.run_precision = pruner.run_precision
     trial.example_inputs = as_traced(example)  # as given: the caller chose its size (small_example)
@@ -1737,6 +1790,8 @@ UNTRACEABLE_OUTPUT = (
 LOSS_IN_OUTPUT = "the model's output holds its loss"
 #: the reason for a trial cut that cut nothing
 NOTHING_TO_CUT = "no channel group of the selected layers can be cut safely"
+#: the start of the reason for a trial cut that cut nothing because of ``min_channels``
+MIN_CHANNELS_FLOOR = f"{NOTHING_TO_CUT} above `min_channels`"
 #: the start of the reason for a trial cut that cut nothing while selected layers hold a shared parameter
 SHARED_LEFT_OUT = (
     f"{NOTHING_TO_CUT}: a layer holding a parameter that another module holds too is left out (a cut of one "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+import sys
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -967,6 +968,12 @@ class RollbackState:
             raise
 
 
+#: the most snapshots a ring can be asked to keep: a Python deque holds at most ``sys.maxsize`` items (a
+#: larger ``max_snapshots`` raised a bare OverflowError naming no field). Each snapshot copies the model and
+#: optimizer state to CPU memory, which bounds the count far lower; how many fit is the user's to judge.
+MAX_SNAPSHOTS = sys.maxsize
+
+
 class SnapshotRing:
     """The newest ``capacity`` snapshots, oldest evicted first.
 
@@ -975,8 +982,8 @@ class SnapshotRing:
     """
 
     def __init__(self, capacity: int = 2) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"`capacity`={capacity!r} must be an int >= 1.")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= MAX_SNAPSHOTS:
+            raise ValueError(f"`capacity`={capacity!r} must be an int from 1 to {MAX_SNAPSHOTS}.")
         self.capacity = capacity
         self._snapshots: deque[TrainingSnapshot] = deque(maxlen=capacity)
 
@@ -1133,6 +1140,11 @@ class SnapshotSchedule:
                 raise ValueError(f"`{name}`={value!r} must be an int >= {minimum}.")
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
             raise ValueError(f"`rollback_margin`={margin!r} must be an int >= 0.")
+        if capacity > MAX_SNAPSHOTS:
+            raise ValueError(
+                f"`max_snapshots`={capacity!r} must be an int from 1 to {MAX_SNAPSHOTS} (sys.maxsize, the most a "
+                "Python deque holds); each snapshot is a copy of the model and optimizer state in CPU memory."
+            )
         if every and (capacity - 1) * every < margin:
             raise ValueError(
                 f"`max_snapshots`={capacity} snapshots every `snapshot_every`={every} steps never reach "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,14 +71,17 @@ class MeterConfig(_EnergyLoggerConfig):
         object.__setattr__(self, "sampling_period", float(period))
         devices = self.gpu_devices
         if devices is not None:
-            if isinstance(devices, (str, int)) or not all(
+            # the type before any iteration: a float gave Python's bare "'float' object is not iterable"
+            listed = isinstance(devices, Iterable) and not isinstance(devices, (str, bytes))
+            entries = tuple(devices) if listed else ()
+            if not listed or not all(
                 (isinstance(d, int) and not isinstance(d, bool) and d >= 0) or (isinstance(d, str) and d)
-                for d in devices
+                for d in entries
             ):
                 raise ValueError(
                     f"`meters.gpu_devices`={devices!r} must be a list of NVML indices (int >= 0) or GPU UUIDs."
                 )
-            object.__setattr__(self, "gpu_devices", tuple(devices))
+            object.__setattr__(self, "gpu_devices", entries)
         if self.cpu_watts is not None:
             if not _is_number(self.cpu_watts) or self.cpu_watts < 0:
                 raise ValueError(
