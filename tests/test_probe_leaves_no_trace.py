@@ -19,9 +19,12 @@ class _DocsPatternClassifier(MNIST1DClassifier):
     """The Lightning docs' pattern for an epoch-end metric: outputs appended in ``validation_step``,
     averaged and cleared in ``on_validation_epoch_end``; ``as_numbers`` keeps them as floats (``.item()``).
     It also counts validation batches in a number and samples in a buffer, and (``running_mean``) shifts its
-    logits by a running mean that every forward updates, in eval mode too (a test-time normaliser)."""
+    logits by a running mean that every forward updates, in eval mode too (a test-time normaliser); with
+    ``plain_mean`` that mean is a plain tensor attribute, not a buffer, written in place all the same."""
 
-    def __init__(self, as_numbers: bool = False, running_mean: bool = False) -> None:
+    def __init__(
+        self, as_numbers: bool = False, running_mean: bool = False, plain_mean: bool = False
+    ) -> None:
         super().__init__(arch="cnn")
         self.as_numbers, self.running_mean = as_numbers, running_mean
         self.validation_step_outputs: list = []
@@ -29,7 +32,10 @@ class _DocsPatternClassifier(MNIST1DClassifier):
         self.validation_batches = 0
         self.epoch_ends: list[tuple[int, float]] = []  # (outputs averaged, their mean) at every epoch end
         self.register_buffer("validation_samples", torch.zeros((), dtype=torch.long))
-        self.register_buffer("logit_mean", torch.zeros(10))
+        if plain_mean:
+            self.logit_mean = torch.zeros(10)
+        else:
+            self.register_buffer("logit_mean", torch.zeros(10))
 
     def forward(self, x):
         logits = self.net(x)
@@ -103,3 +109,44 @@ def test_a_run_with_the_probe_trains_and_validates_as_the_run_without_it(mnist1d
         assert torch.equal(probed.state_dict()[name], parameter), name
     for key in ("val_loss", "val_outputs_mean"):
         assert torch.equal(probed_trainer.callback_metrics[key], plain_trainer.callback_metrics[key]), key
+
+
+def test_a_plain_tensor_attribute_written_in_place_comes_back_after_the_probe(mnist1d_small):
+    """Sweep: the probe gave back a plain tensor attribute's reference, not its values: a running mean kept as
+    ``self.logit_mean = torch.zeros(10)`` and moved in place by the probe's eval forwards changed training
+    (weights 5e-3 apart from the run without the probe), though a buffer written so came back."""
+    probed, probed_trainer = _fit(mnist1d_small, _cycle(), running_mean=True, plain_mean=True)
+    plain, plain_trainer = _fit(mnist1d_small, _cycle("none"), running_mean=True, plain_mean=True)
+    assert "logit_mean" not in plain._buffers
+    assert torch.equal(probed.logit_mean, plain.logit_mean)
+    for name, parameter in plain.state_dict().items():
+        assert torch.equal(probed.state_dict()[name], parameter), name
+    assert torch.equal(
+        probed_trainer.callback_metrics["val_loss"], plain_trainer.callback_metrics["val_loss"]
+    )
+
+
+class _RerunSpy(pl.Callback):
+    """At one batch end, re-runs that batch's ``training_step`` as StabilityGuard's rollback test does and
+    records the module's plain running mean before and after."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.means = at, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from lightning_pulse.probe import training_losses
+
+        if trainer.global_step == self.at:
+            before = pl_module.logit_mean.clone()
+            losses = training_losses(trainer, pl_module, [(batch_idx, batch)])
+            self.means = [before, pl_module.logit_mean.clone()]
+            assert len(losses) == 1
+
+
+def test_stability_guards_rerun_of_training_step_gives_a_plain_attribute_its_values_back(mnist1d_small):
+    """The rollback test's re-run of ``training_step`` (``probe.training_losses``) went through the same
+    reference-only restore: its training forward moved the plain running mean for good."""
+    spy = _RerunSpy(at=3)
+    _fit(mnist1d_small, spy, running_mean=True, plain_mean=True)
+    before, after = spy.means
+    assert torch.equal(before, after)

@@ -59,6 +59,87 @@ def test_the_probe_gives_a_stateful_module_its_training_state_back():
         assert after.states[step - 1] is before.states[step - 1]
 
 
+@pytest.mark.parametrize("validation_batch", [8, 16], ids=["same-batch-size", "other-batch-size"])
+def test_the_probe_evaluates_a_stateful_module_from_the_state_its_validation_starts_from(validation_batch):
+    """Sweep: the probe calls none of the module's validation hooks, so the client's reset of its hidden state
+    in ``on_validation_epoch_start`` never ran: a validation batch of another size crashed the fit at the first
+    maintain phase (``Expected hidden[0] size (1, 16, 64), got [2, 8, 64]``), one of the same size was
+    measured from the training stream's state (a ``val_loss`` no validation gives)."""
+    from torch.utils.data import DataLoader
+
+    from tests.clients import _ContiguousStreams
+
+    pl.seed_everything(0, verbose=False)
+    module, data = CLIENTS["stateful-lstm"]()
+    data.max_chars = 20_000
+    data.val_dataloader = lambda: DataLoader(
+        data.val_set, batch_sampler=_ContiguousStreams(len(data.val_set), validation_batch)
+    )
+    before, after, cycle = _StateAt(), _StateAt(), _cycle()
+    trainer = pl.Trainer(
+        max_steps=22, limit_val_batches=2, callbacks=[before, cycle, after], **trainer_kwargs()
+    )
+    trainer.fit(module, data)
+    maintain_entries = [change.step for change in cycle.history if change.current is Phase.MAINTAIN]
+    assert maintain_entries and math.isfinite(cycle.last_probe["val_loss"])
+    for step in maintain_entries:  # training went on from the training stream's state
+        assert after.states[step - 1] is before.states[step - 1]
+    # at the fit's final weights, the probe gives what Lightning's validation of those batches gives
+    training_state = module.state
+    probed = cycle.probe.run(trainer, module)
+    assert module.state is training_state
+    validated = pl.Trainer(limit_val_batches=2, **trainer_kwargs()).validate(module, data, verbose=False)
+    assert probed["val_loss"] == pytest.approx(validated[0]["val_loss"], rel=1e-5)
+    assert cycle.probe.streams.names == ("state",)  # learnt once, at the first probe
+
+
+def _zero_state_lstm(validation_batch: int):
+    """The stateful-lstm client with a state that is never ``None``: zeros made in its epoch-start hooks, for
+    the training batch (8) and for ``validation_batch``; its step indexes the state unconditionally."""
+    from torch.utils.data import DataLoader
+
+    from tests.clients import StatefulLSTM, _ContiguousStreams
+
+    class ZeroStateLSTM(StatefulLSTM):
+        def _step(self, x, y):
+            hidden, state = self.lstm(self.embed(x), (self.state[0], self.state[1]))
+            self.state = tuple(s.detach() for s in state)
+            return torch.nn.functional.cross_entropy(self.out(hidden).flatten(0, 1), y.flatten())
+
+        def on_train_epoch_start(self):
+            self.state = (torch.zeros(2, 8, 64), torch.zeros(2, 8, 64))
+
+        def on_validation_epoch_start(self):
+            self._train_state = self.state
+            self.state = (torch.zeros(2, validation_batch, 64), torch.zeros(2, validation_batch, 64))
+
+    _, data = CLIENTS["stateful-lstm"]()
+    data.max_chars = 20_000
+    data.val_dataloader = lambda: DataLoader(
+        data.val_set, batch_sampler=_ContiguousStreams(len(data.val_set), validation_batch)
+    )
+    return ZeroStateLSTM(), data
+
+
+def test_a_state_the_probe_cannot_start_fresh_is_said_and_named_never_used_silently():
+    """The probe starts a validation stream's state as ``None``; a module whose step cannot take ``None`` is
+    told so, with the way out, and the probe evaluates from the state it finds (same batch size); with
+    another batch size the probe cannot run at all: it says why, naming PulseCycle and the way out, and is off
+    for the fit, which goes on."""
+    for validation_batch, said in (
+        (8, "replaces `state`"),
+        (16, "Expected hidden.*probe is off for this fit"),
+    ):
+        pl.seed_everything(0, verbose=False)
+        module, data = _zero_state_lstm(validation_batch)
+        cycle = _cycle()
+        trainer = pl.Trainer(max_steps=22, limit_val_batches=2, callbacks=[cycle], **trainer_kwargs())
+        with pytest.warns(UserWarning, match=rf"PulseCycle: .*{said}.*maintain_eval=\"none\""):
+            trainer.fit(module, data)
+        assert trainer.global_step == 22
+        assert bool(cycle.last_probe) == (validation_batch == 8)
+
+
 class _NormalisedInHook(pl.LightningModule):
     """Scales raw pixels in ``on_before_batch_transfer``, as users put preprocessing in Lightning's batch hooks."""
 

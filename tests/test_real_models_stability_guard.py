@@ -608,6 +608,72 @@ def test_a_stateful_lstm_rolls_back_its_carried_hidden_state_with_the_weights(sn
     assert trainer.global_step == 60 and all(torch.isfinite(s).all() for s in module.state)
 
 
+class _LayeredLSTM(pl.LightningModule):
+    """An AWD-LSTM-style language model: one LSTM per layer, its carried state ``[(h1, c1), (h2, c2)]``; the
+    loss is NaN at ``nan_steps`` (a rollback after three in a row)."""
+
+    def __init__(self, nan_steps: set[int]) -> None:
+        super().__init__()
+        self.embed, self.out = torch.nn.Embedding(128, 16), torch.nn.Linear(32, 128)
+        self.rnns = torch.nn.ModuleList(
+            [torch.nn.LSTM(16, 32, batch_first=True), torch.nn.LSTM(32, 32, batch_first=True)]
+        )
+        self.nan_steps, self.hidden = nan_steps, None
+
+    def on_train_epoch_start(self):
+        self.hidden = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        z, hidden = self.embed(x), []
+        for k, rnn in enumerate(self.rnns):
+            z, (h, c) = rnn(z, None if self.hidden is None else self.hidden[k])
+            hidden.append((h.detach(), c.detach()))
+        self.hidden = hidden
+        loss = torch.nn.functional.cross_entropy(self.out(z).flatten(0, 1), y.flatten())
+        return loss * float("nan") if self.global_step in self.nan_steps else loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+class _HiddenAfterGuard(Callback):
+    """After the guard's batch end: the module's carried hidden tensors, and every tensor its snapshots hold."""
+
+    def __init__(self, guard: StabilityGuard) -> None:
+        self.guard, self.aliased, self.layouts = guard, [], set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from torch.utils._pytree import tree_leaves
+
+        kept = {
+            t.untyped_storage().data_ptr()
+            for snapshot in self.guard.snapshots
+            for t in tree_leaves(snapshot.extra.get("carried", {}))
+            if isinstance(t, torch.Tensor)
+        }
+        hidden = pl_module.hidden
+        self.layouts.add((type(hidden), *(type(layer) for layer in hidden)))
+        if any(t.untyped_storage().data_ptr() in kept for t in tree_leaves(hidden)):
+            self.aliased.append(trainer.global_step)
+
+
+def test_a_rollback_gives_a_nested_carried_state_fresh_copies_in_its_own_containers():
+    """Sweep: a rollback put back ``[(h1, c1), (h2, c2)]`` with the snapshot's own (CPU) tensors inside the
+    tuples (only the outer list's items were copied): the state aliased the snapshot, and on a GPU the next
+    forward got CPU hidden states."""
+    pl.seed_everything(0)
+    module, data = _LayeredLSTM(nan_steps={20, 21, 22}), CLIENTS["stateful-lstm"]()[1]
+    data.max_chars = 20_000
+    guard = StabilityGuard(warmup=5, window=20, snapshot_every=5, rollback_margin=4, skip_after_rollback=3)
+    spy = _HiddenAfterGuard(guard)
+    trainer = pl.Trainer(callbacks=[guard, spy], max_steps=30, **trainer_kwargs(limit_val_batches=0))
+    trainer.fit(module, data)
+    assert guard.rollbacks == 1
+    assert spy.aliased == []
+    assert spy.layouts == {(list, tuple, tuple)}
+
+
 # ------------------------------------------------------------------ 4. refused at fit start
 def test_manual_optimization_is_refused_before_the_first_step():
     module, data = CLIENTS["manual-optimization"]()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import prune
+from torch.utils._pytree import tree_leaves
 
 from lightning_pulse.core.snapshots import (
     RollbackState,
@@ -367,6 +368,31 @@ def test_carried_tensors_are_found_and_put_back_including_a_state_that_did_not_e
     model.rnn.mode_name = None  # None now, and was not carried: left alone
     restore_carried_tensors(model, saved)
     assert model.state is None and torch.equal(model.rnn.extra, torch.ones(2))
+
+
+def test_a_nested_carried_state_is_put_back_as_fresh_copies_in_containers_of_its_own_types():
+    """Sweep: only the outer container's items were copied, so an inner tuple came back holding the saved
+    (snapshot's, CPU) tensors themselves."""
+    from collections import OrderedDict, namedtuple
+
+    from lightning_pulse.core.carried_state import restore_carried_tensors
+
+    Hidden = namedtuple("Hidden", "h c")
+    model = torch.nn.Linear(2, 2)
+    saved = {
+        "layers": [(torch.ones(1, 2, 3), torch.zeros(1, 2, 3)), (torch.ones(1, 2, 3), torch.zeros(1, 2, 3))],
+        "named": Hidden(torch.ones(2), torch.zeros(2)),
+        "by_key": OrderedDict(a=[torch.ones(2)], b=(torch.zeros(2),)),
+    }
+    restore_carried_tensors(model, saved)
+    for name, value in saved.items():
+        now = getattr(model, name)
+        assert type(now) is type(value), name
+        for kept, put_back in zip(tree_leaves(value), tree_leaves(now)):
+            assert put_back is not kept and torch.equal(put_back, kept)
+            assert put_back.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
+    assert [type(layer) for layer in model.layers] == [tuple, tuple]
+    assert list(model.by_key) == ["a", "b"] and type(model.by_key["a"]) is list
 
 
 def test_a_snapshot_from_before_a_pruning_mask_fits_and_restores_under_the_current_mask():

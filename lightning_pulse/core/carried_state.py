@@ -41,9 +41,10 @@ test could clear it.
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -174,16 +175,19 @@ _METADATA = frozenset(
 
 
 class _ReadWatch(TorchFunctionMode):
-    """Notes which of the watched tensors any torch function (or tensor method) receives."""
+    """Notes which of the watched tensors any torch function (or tensor method) receives. ``looks``: a look at
+    a tensor's shape or type counts too (an LSTM checks its hidden state's shape, and raises, before it reads
+    a value)."""
 
-    def __init__(self, watched: set[int]) -> None:
+    def __init__(self, watched: set[int], looks: bool = False) -> None:
         super().__init__()
         self.watched = watched
+        self.looks = looks
         self.read: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func in _METADATA:  # a look at its shape or type carries none of its values
+        if func in _METADATA and not self.looks:  # a look at its shape or type carries none of its values
             return func(*args, **kwargs)
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, Tensor) and id(leaf) in self.watched:
@@ -459,8 +463,9 @@ def carried_tensors(module: nn.Module) -> dict[str, Any]:
 
 
 def restore_carried_tensors(module: nn.Module, saved: dict[str, Any]) -> None:
-    """Put back copies of what :func:`carried_tensors` returned, on the module's device. A ``None`` is
-    put back only over an attribute that holds tensors now (a hidden state created since)."""
+    """Put back copies of what :func:`carried_tensors` returned, on the module's device, at any nesting
+    (an AWD-LSTM's ``[(h1, c1), (h2, c2)]``), in containers of the same types. A ``None`` is put back only
+    over an attribute that holds tensors now (a hidden state created since)."""
     device = next((t.device for t in module.parameters()), None)
     for dotted, value in saved.items():
         owner_name, _, name = dotted.rpartition(".")
@@ -468,20 +473,28 @@ def restore_carried_tensors(module: nn.Module, saved: dict[str, Any]) -> None:
         if value is None:
             if tensors_in(getattr(owner, name, None)):
                 setattr(owner, name, None)
-        elif isinstance(value, (tuple, list)):
-            setattr(owner, name, type(value)(_to(v, device) for v in value))
-        elif isinstance(value, dict):
-            setattr(owner, name, {key: _to(v, device) for key, v in value.items()})
         else:
             setattr(owner, name, _to(value, device))
 
 
 def _to(value: Any, device: Any) -> Any:
-    """A copy of ``value`` on ``device``. Never the saved tensor itself (``.to`` on its own device returns it):
-    a module that updates its state in place (``self.h.copy_(h)``) would write into the snapshot."""
-    if not isinstance(value, Tensor):
-        return value
-    return value.clone() if device is None else value.to(device, copy=True)
+    """A copy of ``value`` on ``device``, through the tuples, lists and dicts that hold its tensors (as
+    :func:`tensors_in` reads them), each of its own type. Never a saved tensor itself (``.to`` on its own
+    device returns it): a module that updates its state in place (``self.h.copy_(h)``) would write into the
+    snapshot; and an inner tuple put back as it was held the snapshot's CPU copies, which a CUDA model's next
+    forward got as its hidden state."""
+    if isinstance(value, Tensor):
+        return value.clone() if device is None else value.to(device, copy=True)
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # its type, and a defaultdict's factory
+        copied.update((key, _to(item, device)) for key, item in value.items())
+        return copied
+    if isinstance(value, (tuple, list)):
+        items = [_to(item, device) for item in value]
+        if hasattr(value, "_fields"):  # a namedtuple takes its items as arguments
+            return type(value)(*items)
+        return type(value)(items)
+    return value
 
 
 #: what :func:`_contents` keeps of a list or dict attribute, and of the lists and dicts directly inside it
@@ -528,8 +541,11 @@ def kept_carried_state(module: nn.Module) -> Iterator[None]:
     ``validation_step`` rebinds ``self.state`` to the validation stream's, and the next training batch must
     continue from the training stream's; the Lightning docs' ``self.validation_step_outputs.append(loss)``
     fills a list that was empty on entry, and the list must stay (the next ``validation_step`` appends to it).
-    References are restored, and the items of lists and dicts, not the values of tensors: this undoes
-    ``self.state = ...`` (the usual update) and ``.append``, not in-place writes into the same tensor.
+    A tensor written in place inside (a running centre kept as ``self.center = torch.zeros(D)`` and updated
+    with ``mul_``/``add_`` by every forward, eval mode included) gets its entry values back, as
+    :func:`kept_buffers` does for buffers: before, only references were restored, and a probe's eval forwards
+    moved such a centre, so a run with the probe trained otherwise than one without it. That costs a copy of
+    the carried tensors, on their device, per use (not per training step).
     """
     saved = carried_tensors(module)
     # every plain attribute on entry, and the items of its lists and dicts: references and shallow copies only
@@ -538,6 +554,7 @@ def kept_carried_state(module: nn.Module) -> Iterator[None]:
         for prefix, submodule in module.named_modules()
         for name, value in _plain_attributes(submodule)
     }
+    values = _entry_values(tensor for value in saved.values() for tensor in tensors_in(value))
     try:
         yield
     finally:
@@ -557,6 +574,32 @@ def kept_carried_state(module: nn.Module) -> Iterator[None]:
             _put_back(contents)
             if now is not old:
                 setattr(owner, name, old)
+        with torch.no_grad():
+            for tensor, version, copied in values:
+                _write_back(tensor, version, copied)
+
+
+#: a tensor, its version counter and a copy of its values, as :func:`_entry_values` keeps them
+EntryValue = tuple[Tensor, int, Tensor]
+
+
+def _entry_values(tensors: Iterable[Tensor]) -> list[EntryValue]:
+    """Each distinct tensor of ``tensors`` with its version counter and a copy of its values, for
+    :func:`_write_back`; an inference tensor cannot be written outside inference mode (and keeps no version
+    count), so it is left out."""
+    distinct = {id(tensor): tensor for tensor in tensors if not is_lazy(tensor) and not tensor.is_inference()}
+    return [(tensor, tensor._version, tensor.detach().clone()) for tensor in distinct.values()]
+
+
+def _write_back(tensor: Tensor, version: int, copied: Tensor) -> None:
+    """Give ``tensor`` the values ``copied`` kept where something wrote into it since: its version counter
+    moved, or its values differ (a write through ``.data`` or a custom kernel leaves the counter alone); one
+    resized in place (an observer's first forward) gets its shape back. Call under ``no_grad``."""
+    unchanged = tensor.shape == copied.shape and torch.equal(tensor, copied)
+    if tensor._version != version or not unchanged:
+        if tensor.shape != copied.shape:
+            tensor.resize_(copied.shape)
+        tensor.copy_(copied)
 
 
 @contextmanager
@@ -625,14 +668,9 @@ def kept_buffers(module: nn.Module, written_only: bool = False) -> Iterator[None
         yield
     finally:
         with torch.no_grad():
-            for owner, name, buffer, version, copy in saved:
-                if written_only and (owner._buffers.get(name) is not buffer or buffer.shape != copy.shape):
+            for owner, name, buffer, version, copied in saved:
+                if written_only and (owner._buffers.get(name) is not buffer or buffer.shape != copied.shape):
                     continue
-                # a write through ``.data`` or a custom kernel bumps no version counter: compare values too
-                unchanged = buffer.shape == copy.shape and torch.equal(buffer, copy)
-                if buffer._version != version or not unchanged:
-                    if buffer.shape != copy.shape:  # resized in place (an observer's first forward)
-                        buffer.resize_(copy.shape)
-                    buffer.copy_(copy)
+                _write_back(buffer, version, copied)
                 if owner._buffers.get(name) is not buffer:
                     owner._buffers[name] = buffer
