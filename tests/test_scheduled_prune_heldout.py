@@ -204,6 +204,37 @@ def test_a_gated_layer_split_with_chunk_is_cut_to_the_sparsity_asked_and_its_rea
     )
 
 
+@pytest.mark.parametrize("conv", [False, True], ids=["linear-chunk-last-dim", "conv-chunk-dim-1"])
+def test_a_gated_layer_cut_over_several_events_loads_and_resumes_with_the_outputs_of_the_fit(
+    conv, tmp_path, monkeypatch
+):
+    # held-out sweep: a WaveNet's gated `conv(x).chunk(2, 1)` cut over several events saved a checkpoint that
+    # neither load_pruned nor fit(ckpt_path=...) could load (torch's bare "size mismatch ... [16, 16, 2] from
+    # checkpoint, [11, 16, 2]"): the replay traced one graph for every event, whose split offsets were those
+    # of the uncut widths, so the second event's pairs took other channels. One event loaded.
+    torch.manual_seed(0)
+    module = _GatedClassifier(conv)
+    prune = _prune(mode="structured", exclude_pattern="^inp$|^out$")
+    trainer = _fit(module, _three_classes(), prune)
+    assert len([e for e in prune.events if e["sparsity"] > 0]) >= 2 and module.mlp.Wi.weight.shape[0] == 32
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    x = torch.randn(4, 8)
+    module.eval()
+    # the replay itself gives the saved shapes: no fallback to the widths read from them
+    monkeypatch.setattr(pruning.prune_widths, "fit_widths", lambda *args: pytest.fail("replay fell back"))
+    fresh = ScheduledPrune.load_pruned(_GatedClassifier(conv), path).eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(x), module(x))
+    resumed = _GatedClassifier(conv)
+    resume = _prune(mode="structured", exclude_pattern="^inp$|^out$")
+    pl.Trainer(**trainer_kwargs(max_steps=STEPS, limit_val_batches=0, callbacks=[resume])).fit(
+        resumed, _three_classes(), ckpt_path=path
+    )
+    with torch.no_grad():  # nothing left to train: the resume restored the fit's model
+        assert torch.equal(resumed.eval()(x), module(x))
+
+
 def test_tied_channels_are_removed_a_class_at_a_time_so_the_count_is_the_one_asked():
     model = _GatedLinear(16, 8)
     graph = pruning.build_dependency_graph(model, torch.randn(2, 16))

@@ -15,6 +15,7 @@ import torch
 from torch.nn.utils import prune as torch_prune
 
 from lightning_pulse import ScheduledPrune
+from lightning_pulse.core import pruning
 from lightning_pulse.errors import PulseRefusal
 from tests.clients import CLIENTS, SEQ_LEN, HFCausalLM, TextWindowsDataModule
 from tests.conftest import trainer_kwargs
@@ -216,3 +217,80 @@ def test_the_way_out_for_a_layer_type_left_out_names_its_path_and_not_none():
     wide = [layer.weight for layer in module.net if isinstance(layer, _WideLayer)]
     assert _zero_share(wide) == pytest.approx(0.5, abs=0.02)
     assert _zero_share([module.net[1].weight]) == 0.0  # the norm scale is left alone
+
+
+# ------------------------------------------------------------------------------------ a plain-torch router
+class _Expert(torch.nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _TopTwoMoE(pl.LightningModule):
+    """A router sending each sample to 2 of 4 experts, as users write it: which experts run depends on the
+    data and on the router's weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.router, self.head = (
+            torch.nn.Linear(8, 16),
+            torch.nn.Linear(16, 4),
+            torch.nn.Linear(16, 3),
+        )
+        self.experts = torch.nn.ModuleList(_Expert() for _ in range(4))
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        weights, chosen = self.router(h).topk(2, dim=-1)
+        weights, mixed = weights.softmax(-1), torch.zeros_like(h)
+        for index, expert in enumerate(self.experts):
+            rows, slot = (chosen == index).nonzero(as_tuple=True)
+            if rows.numel():
+                mixed[rows] += weights[rows, slot, None] * expert(h[rows])
+        return self.head(h + mixed)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _routed_data():
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, :3]).argmax(1)), batch_size=32)
+
+
+def test_a_router_sending_the_recorded_input_elsewhere_in_a_fresh_module_still_loads_the_cut_experts(
+    tmp_path,
+):
+    # held-out sweep: load_pruned into a freshly built top-2 MoE raised torch-pruning's "Module Linear(...) is
+    # not in the dependency graph", naming no callback: the replay traces the fresh module on the two recorded
+    # samples, and its router sent them to other experts than the run's did. A resume did the same, and passed
+    # only for the inits whose router happened to reach every cut expert.
+    torch.manual_seed(0)
+    module = _TopTwoMoE()
+    prune = _prune(mode="structured", exclude_pattern="^inp$")  # the way out the default's refusal offers
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=STEPS, limit_val_batches=0, callbacks=[prune]))
+    trainer.fit(module, _routed_data())
+    widths = [expert.fc1.out_features for expert in module.experts]
+    assert min(widths) == 8, widths  # an expert the run cut
+    # the experts the trace never reached are said to be left uncut for that, not as unsafe to cut
+    untraced = {name for event in prune.events for name in event["untraced_layers"]}
+    assert untraced and all(name.startswith("experts.") for name in untraced)
+    line = pruning.event_summary(prune.events[-1])
+    assert "not reached by the traced input" in line and "can be cut safely: experts" not in line
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    fresh = _TopTwoMoE()
+    with torch.no_grad():  # its router sends every sample to the two widest experts: no cut one runs
+        fresh.router.weight.zero_()
+        fresh.router.bias.copy_(torch.tensor(widths, dtype=torch.float32))
+    ScheduledPrune.load_pruned(fresh, path)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(x), module.eval()(x))
+    assert [expert.fc1.out_features for expert in fresh.experts] == widths

@@ -117,9 +117,12 @@ def differing_layers(
     return differing
 
 
-def fit_widths(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "") -> None:
+def fit_widths(
+    module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "", unreplayed: str | None = None
+) -> None:
     """Give every layer of ``module`` whose entries in ``state_dict`` have other shapes tensors of those
-    shapes (values left to the load that follows) and the widths its ``forward`` reads.
+    shapes (values left to the load that follows) and the widths its ``forward`` reads. ``unreplayed``: why
+    the recorded channel removals could not be replayed (``None``: none were recorded), said in the error.
 
     Raises:
         RuntimeError: for a layer whose widths cannot be read from its shapes (a grouped convolution, a
@@ -147,10 +150,17 @@ def fit_widths(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "
     if unknown:
         names = ", ".join(sorted({name or "(the root)" for name in unknown}))
         kind = type(module.get_submodule(unknown[0])).__name__
+        if unreplayed is None:
+            raise RuntimeError(
+                "ScheduledPrune: the state dict has cut widths but no record of the channel removals (a "
+                f"weights-only checkpoint), and the widths of {names} ({kind}) cannot be read from their shapes "
+                f"alone. To load such a model, {FULL_CHECKPOINT}."
+            )
         raise RuntimeError(
-            "ScheduledPrune: the state dict has cut widths but no record of the channel removals (a weights-only "
-            f"checkpoint), and the widths of {names} ({kind}) cannot be read from their shapes alone. To load "
-            f"such a model, {FULL_CHECKPOINT}."
+            "ScheduledPrune: the channel removals the checkpoint records cannot be replayed on this module "
+            f"({unreplayed}), and the widths of {names} ({kind}) cannot be read from their shapes alone. To load "
+            "such a model, save the cut module whole (`torch.save(model)`), or leave the layers called "
+            "depending on the data out of the cuts (`exclude_pattern`) in the run that saves it."
         )
     for name, layer in layers.items():
         for entry, shape in differing[name].items():

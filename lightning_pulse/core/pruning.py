@@ -1342,6 +1342,8 @@ class StructuredResult:
         roots: the roots whose channel group could be cut in this call (whether or not it was).
         blocked: root name -> the modules whose computed weight kept its group from being cut
             (:func:`channel_groups`).
+        untraced: the chosen layers the trace did not reach from the output (called depending on the data,
+            as an expert behind a router, or their output unused): no group of theirs was seen to cut.
     """
 
     removed: dict[str, int]
@@ -1349,6 +1351,7 @@ class StructuredResult:
     remap: ParameterRemap
     roots: set[str] = field(default_factory=set)
     blocked: dict[str, list[str]] = field(default_factory=dict)
+    untraced: set[str] = field(default_factory=set)
 
 
 def prune_channels(
@@ -1384,7 +1387,8 @@ def prune_channels(
         [str(name), bool(is_out), [int(i) for i in idxs]] for name, is_out, idxs in graph.pruning_history()
     ]
     removed = {name: len(indices) * tied[name] for name, indices in removals.items()}
-    return StructuredResult(removed, history, remap, {group.root for group in groups}, blocked)
+    untraced = {name for name, module in layers.items() if module not in graph.module2node}
+    return StructuredResult(removed, history, remap, {group.root for group in groups}, blocked, untraced)
 
 
 def replay_structure(
@@ -1392,24 +1396,59 @@ def replay_structure(
     example_inputs: Any,
     history: Sequence[Sequence[Any]],
     precision: RunPrecision | None = None,
-) -> None:
+    events: Sequence[int] | None = None,
+) -> str | None:
     """Re-apply recorded structured pruning to a freshly built ``model``, so a pruned state dict fits it
-    (``precision``: see :func:`inputs_for`)."""
-    if not history:
-        return
-    held = {
-        (id(module), name): param for module in model.modules() for name, param in module._parameters.items()
-    }
-    graph = build_dependency_graph(model, example_inputs, precision)
-    graph.load_pruning_history([[name, is_out, list(indices)] for name, is_out, indices in history])
-    # torch-pruning put new parameters in: the objects the module's hooks and lists hold take their values, as
-    # at a cut (a resume or load_pruned left a user's gradient hooks and lists of parameters dead; a review)
-    for module in model.modules():
-        for name, new in list(module._parameters.items()):
-            old = held.get((id(module), name))
-            if old is not None and new is not None and new is not old:
-                module._parameters[name] = old
-                cut_in_place(old, new, kept=None)  # a fresh module's replay: no gradient to cut
+    (``precision``: see :func:`inputs_for`). ``events``: how many of the ``history`` entries each event cut
+    (:attr:`Pruner.history_events`; ``None``: all as one event, as recorded before it was kept).
+
+    Each event's entries are replayed on a graph traced anew, as the fit traced one per event: the indices
+    of a gated layer's ``chunk(2)`` split in a graph are those of the widths it was traced at, so entries of
+    a later event replayed on the first event's graph paired other channels (a WaveNet's checkpoint saved
+    after several events lost 21 of a layer's 32 channels instead of 16). Returns why the replay stopped, or ``None``:
+    a recorded root the trace did not reach (a mixture-of-experts router sends the recorded input to other
+    experts in a fresh module than in the run), with the events before it replayed."""
+    named = dict(model.named_modules())
+    for entries in _history_by_event(history, events):
+        graph = build_dependency_graph(model, example_inputs, precision)
+        untraced = [name for name, _, _ in entries if named.get(name) not in graph.module2node]
+        if untraced:
+            return (
+                f"the recorded input, traced through this module, does not reach {_some(untraced)}, which the "
+                "run cut (a layer called depending on the data, as an expert behind a router)"
+            )
+        held = {
+            (id(module), name): param
+            for module in model.modules()
+            for name, param in module._parameters.items()
+        }
+        graph.load_pruning_history([[name, is_out, list(indices)] for name, is_out, indices in entries])
+        # torch-pruning put new parameters in: the objects the module's hooks and lists hold take their values,
+        # as at a cut (a resume or load_pruned left a user's gradient hooks and lists of parameters dead)
+        for module in model.modules():
+            for name, new in list(module._parameters.items()):
+                old = held.get((id(module), name))
+                if old is not None and new is not None and new is not old:
+                    module._parameters[name] = old
+                    cut_in_place(old, new, kept=None)  # a fresh module's replay: no gradient to cut
+    return None
+
+
+def _history_by_event(
+    history: Sequence[Sequence[Any]], events: Sequence[int] | None
+) -> Iterator[Sequence[Sequence[Any]]]:
+    # the entries of each event in turn; a history cut short (the cuts before a distillation teacher's event)
+    # ends within the counts, and entries past them (none counted: an older checkpoint's) form one event
+    start = 0
+    for count in events or ():
+        if start >= len(history):
+            return
+        if int(count) <= 0:
+            continue
+        yield history[start : start + int(count)]
+        start += int(count)
+    if start < len(history):
+        yield history[start:]
 
 
 def channel_counts(model: nn.Module, names: Sequence[str]) -> dict[str, int]:
@@ -2882,6 +2921,8 @@ class PruneOutcome:
         left_out: chosen layers this event could not cut or mask although an earlier one did (or the fit
             start chose them), with why: a parametrization registered on them or on a layer they are cut
             with since then. They are in ``uncut`` too.
+        untraced: structured: those of ``uncut`` that the trace input did not reach this event
+            (:attr:`StructuredResult.untraced`): an expert its router did not send the two traced samples to.
     """
 
     sparsity: float
@@ -2893,6 +2934,7 @@ class PruneOutcome:
     narrowed: list[str] = field(default_factory=list)
     removed_share: float | None = None
     left_out: dict[str, str] = field(default_factory=dict)
+    untraced: list[str] = field(default_factory=list)
 
 
 def masked_parameter_count(model: nn.Module) -> int:
@@ -2931,6 +2973,8 @@ class Pruner:
         original_params: structured: the model's parameter elements before the first event (``None`` before
             it, or from a checkpoint that did not keep it).
         history: structured: torch-pruning's history of every removal, in order.
+        history_events: structured: how many :attr:`history` entries each event that cut added, in order
+            (each event traced its own graph, which :func:`replay_structure` traces again).
         example_inputs: structured: the input the model is traced with (saved in checkpoints): two samples,
             or the user's whole ``example_input_array`` where its cut does not run
             (:func:`~lightning_pulse.core.prune_setup.structured_example`).
@@ -2971,6 +3015,7 @@ class Pruner:
         self.layer_channels: dict[str, int] = {}
         self.original_params: int | None = None
         self.history: list[list[Any]] = []
+        self.history_events: list[int] = []
         self.example_inputs: Any = None
         #: structured: the chosen layers whose weights a cut has replaced (narrowed), by name
         self.narrowed: set[str] = set()
@@ -3052,6 +3097,8 @@ class Pruner:
             self.user_frozen,
         )
         self.history.extend(result.history)
+        if result.history:
+            self.history_events.append(len(result.history))
         problems = []
         if len(result.remap):
             names = {id(parameter): name for name, parameter in model.named_parameters()}
@@ -3081,16 +3128,23 @@ class Pruner:
         # a root an earlier event cut whose group cannot be cut now: the model changed since (a
         # parametrization on it or on a layer it is cut with); unnamed, it held the run below the target
         named = dict(model.named_modules())
-        lost = [name for name in self.original_channels if name in named and name not in result.roots]
+        # (not a root the trace did not reach this time: an expert its router sent no traced sample to)
+        lost = [
+            name
+            for name in self.original_channels
+            if name in named and name not in result.roots and name not in result.untraced
+        ]
         left_out = {name: why_left_out(name, selection, model, result.blocked) for name in lost}
         uncut += [name for name in lost if name not in uncut]
         outcome = PruneOutcome(reached, per_layer, result.remap, problems, share, uncut, narrowed, removed)
         outcome.left_out = left_out
+        outcome.untraced = [name for name in uncut if name in result.untraced]
         return outcome
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "history": [list(entry) for entry in self.history],
+            "history_events": list(self.history_events),
             "original_channels": dict(self.original_channels),
             "example_inputs": self.example_inputs,
             "narrowed": sorted(self.narrowed),
@@ -3101,6 +3155,9 @@ class Pruner:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.history = [list(entry) for entry in state["history"]]
+        # a checkpoint from before the events were told apart replayed its history on one graph: as one event
+        events = state.get("history_events")
+        self.history_events = [int(n) for n in events] if events is not None else [len(self.history)]
         self.original_channels = dict(state["original_channels"])
         self.example_inputs = state["example_inputs"]
         self.narrowed = set(state.get("narrowed", ()))  # a checkpoint from before it was kept: none known
@@ -3153,6 +3210,7 @@ def event_record(
         "weight_share": float(outcome.weight_share),
         "uncut_layers": list(outcome.uncut),
         "left_out_layers": list(outcome.left_out),
+        "untraced_layers": list(outcome.untraced),
         "narrowed_layers": list(outcome.narrowed),
         "params_removed_share": outcome.removed_share,
         **count_parameters(model),
@@ -3202,8 +3260,11 @@ def event_summary(event: Mapping[str, Any]) -> str:
         text += f", {probe(event['probe_before'])} -> {probe(event['probe_after'])}"
     narrowed = event.get("narrowed_layers") or []
     left_out = event.get("left_out_layers") or []
+    untraced = [name for name in event.get("untraced_layers") or [] if name not in narrowed + left_out]
     uncut = [
-        name for name in event.get("uncut_layers") or [] if name not in narrowed and name not in left_out
+        name
+        for name in event.get("uncut_layers") or []
+        if name not in narrowed and name not in left_out and name not in untraced
     ]
     if left_out:
         text += (
@@ -3211,6 +3272,11 @@ def event_summary(event: Mapping[str, Any]) -> str:
         )
     if uncut:
         text += f"; left uncut, no channel group of theirs can be cut safely: {_some(uncut)}"
+    if untraced:  # an expert its router did not send the two traced samples to: not seen, not judged unsafe
+        text += (
+            "; left uncut this event, not reached by the traced input (called depending on the data, as an "
+            f"expert behind a router, or their output unused): {_some(untraced)}"
+        )
     if narrowed:
         text += (
             "; narrowed only by another layer's cut (no channel group of theirs can be cut safely; compare "
@@ -3248,7 +3314,9 @@ def fit_to_state_dict(
 
     When ``structure`` records no removals (a weights-only checkpoint), the widths are read from the state
     dict's shapes instead (:func:`~lightning_pulse.core.prune_widths.fit_widths`): every value is loaded, so
-    which channels the fresh module keeps does not matter.
+    which channels the fresh module keeps does not matter. So they are where the replay cannot follow the run
+    (:func:`replay_structure`: a router sends the recorded input to other experts in the fresh module) or its
+    shapes are not the saved ones (a history recorded before its events were told apart).
 
     Raises:
         RuntimeError: the module lost channels since the state was saved, or a layer's widths differ and
@@ -3272,20 +3340,11 @@ def fit_to_state_dict(
                 continue
             if "weight" in layer._parameters:
                 add_mask(layer)
-    own = module.state_dict()
-    mismatched = [
-        key
-        for key in keys
-        if key in own
-        and isinstance(state_dict[prefix + key], torch.Tensor)
-        and not nn.parameter.is_lazy(own[key])  # no entry to create it from: load_state_dict says so
-        and own[key].shape != state_dict[prefix + key].shape
-        and not _resized_on_load(module, key)
-    ]
+    mismatched = _shapes_to_fit(module, state_dict, prefix, keys)
     if not mismatched:
         return
     key = mismatched[0]
-    saved, current = tuple(state_dict[prefix + key].shape), tuple(own[key].shape)
+    saved, current = tuple(state_dict[prefix + key].shape), tuple(module.state_dict()[key].shape)
     if math.prod(saved) > math.prod(current):
         # the module lost channels after the state was saved (a best checkpoint from before a cut): no record of
         # removals can give them back to this module object
@@ -3306,7 +3365,31 @@ def fit_to_state_dict(
         prune_widths.fit_widths(module, state_dict, prefix)
         return
     example = _example_in_module_dtype(module, state_dict, prefix, keys, recorded)
-    replay_structure(module, example, recorded["history"], trace_precision)
+    events = recorded.get("history_events")
+    unreplayed = replay_structure(module, example, recorded["history"], trace_precision, events)
+    if unreplayed is None and not _shapes_to_fit(module, state_dict, prefix, keys):
+        return
+    # every value is loaded next, so the widths (the saved shapes) are all a replay that cannot follow the run
+    # has to give: a router's experts, or a history recorded before its events were told apart (one graph)
+    prune_widths.fit_widths(
+        module, state_dict, prefix, unreplayed or "the replayed cuts do not give the saved shapes"
+    )
+
+
+def _shapes_to_fit(
+    module: nn.Module, state_dict: Mapping[str, Any], prefix: str, keys: Sequence[str]
+) -> list[str]:
+    """The ``keys`` (without ``prefix``) whose saved tensor has another shape than ``module``'s entry."""
+    own = module.state_dict()
+    return [
+        key
+        for key in keys
+        if key in own
+        and isinstance(state_dict[prefix + key], torch.Tensor)
+        and not nn.parameter.is_lazy(own[key])  # no entry to create it from: load_state_dict says so
+        and own[key].shape != state_dict[prefix + key].shape
+        and not _resized_on_load(module, key)
+    ]
 
 
 def _resized_on_load(module: nn.Module, key: str) -> bool:
