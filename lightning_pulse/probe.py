@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.carried_state import kept_buffers, kept_carried_state, kept_python_state
 from lightning_pulse.core.optimizer_modes import at_evaluation_point
-from lightning_pulse.core.selection import entries_replaced
+from lightning_pulse.core.selection import entries_replaced, rebuilt
 from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 from lightning_pulse.core.stability_steps import DrawnState
 from lightning_pulse.core.validation_streams import StreamsCannotStart, ValidationStreams
@@ -308,6 +308,28 @@ def _learn_streams(
         rank_zero_warn(warning)
 
 
+def _attributes_copied(original: Any, copy_of_it: Any, copied_along: Callable[[Any], Any]) -> Any:
+    """``copy_of_it`` (a shallow copy of the container ``original``) with its instance attributes copied as its
+    entries are: a tensor held there (a mask beside the entries) changed in place by ``validation_step`` reached
+    the kept batch, each probe reading the last one's result; an AttrDict (``self.__dict__ = self``) gets its own
+    ``__dict__``. A ``UserDict``'s or ``UserList``'s ``data`` is its entries, already copied."""
+    attributes = getattr(copy_of_it, "__dict__", None)
+    if not attributes:
+        return copy_of_it
+    if getattr(original, "__dict__", None) is original:
+        copy_of_it.__dict__ = copy_of_it
+        return copy_of_it
+    entries_held = isinstance(copy_of_it, (collections.UserDict, collections.UserList))
+    for name, value in list(attributes.items()):
+        if entries_held and name == "data":
+            continue
+        if entries_held and value is original.data:  # another name for its entries: the copy's
+            attributes[name] = copy_of_it.data
+        else:
+            attributes[name] = copied_along(value)
+    return copy_of_it
+
+
 def batch_copy(
     batch: Any, owner: str = "lightning_pulse", use: str = "", uncopied: set[type] | None = None
 ) -> Any:
@@ -349,9 +371,15 @@ def batch_copy(
             return type(value)([copied_along(item) for item in value])
         if isinstance(value, (dict, collections.UserDict, list, tuple)):
             try:  # of its class and with its attributes, as Lightning hands it over (a BatchEncoding's encodings)
-                return entries_replaced(value, copied_along)
-            except Exception:  # a class that refuses: copied as any other object, or said and shared
-                return copied(value)
+                result = entries_replaced(value, copied_along)
+            except (
+                Exception
+            ):  # a class that refuses a shallow copy: built again from its entries, or as others
+                try:
+                    return rebuilt(value, copied_along)
+                except Exception:
+                    return copied(value)
+            return _attributes_copied(value, result, copied_along)
         if isinstance(value, Mapping):  # another mapping: built from its entries, as Lightning moves one
             return type(value)(
                 collections.OrderedDict((key, copied_along(item)) for key, item in value.items())

@@ -258,10 +258,21 @@ def entries_replaced(container: Any, replace: Callable[[Any], Any]) -> Any:
             rebuilt.__dict__.update(container.__dict__)
         return rebuilt
     copied = copy.copy(container)
+    if copied is container:  # a __copy__ that returns the object itself: entries set here would reach it
+        raise TypeError(f"copy.copy of a {type(container).__qualname__} returns the object itself")
     entries = copied.data if isinstance(copied, (UserDict, UserList)) else copied
     for key, value in list(entries.items() if isinstance(entries, Mapping) else enumerate(entries)):
         entries[key] = replace(value)
     return copied
+
+
+def rebuilt(container: Any, replace: Callable[[Any], Any]) -> Any:
+    """``container`` built again from its ``replace``d entries, of its class, without its instance attributes:
+    the way out where :func:`entries_replaced` is refused (a ``__copy__`` returning the object itself, a
+    read-only mapping whose ``__setitem__`` raises)."""
+    if isinstance(container, Mapping):
+        return type(container)({key: replace(value) for key, value in container.items()})
+    return _rebuild(container, [replace(item) for item in container])
 
 
 def containers_copied(batch: Any) -> Any:
@@ -286,11 +297,16 @@ def containers_copied(batch: Any) -> Any:
             return batch if isinstance(batch, tuple) else copy.copy(batch)  # a tuple of leaves cannot change
         if type(batch) in (list, tuple):
             return type(batch)([containers_copied(item) for item in batch])
-        return entries_replaced(batch, containers_copied)  # a subclass's attributes kept
+        try:
+            return entries_replaced(batch, containers_copied)  # a subclass's attributes kept
+        except Exception:  # a class that will not be copied shallowly: built again, as before
+            return rebuilt(batch, containers_copied)
     # a dict subclass holds its entries, a UserDict (a BatchEncoding, which keeps its encodings) its .data,
     # which copy.copy copies; another mapping may keep them in an attribute the copy would share: by reference
     if isinstance(batch, (dict, UserDict)):
         copied = copy.copy(batch)
+        if copied is batch:  # a __copy__ that returns the object itself: built again from its entries
+            return rebuilt(batch, containers_copied)
         entries = copied.data if isinstance(copied, UserDict) else copied  # BatchEncoding.items() costs 1 µs
         for key, value in entries.items():
             if not isinstance(value, _LEAVES):
