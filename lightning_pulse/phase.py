@@ -1099,7 +1099,9 @@ def unreachable_phases(owner: str, phases: Sequence[Any], clock: PhaseClock | No
         return None
     order = [phase.value for phase in clock.order]
     why = ", ".join(
-        f"{name!r} is left out of its `order`={order}" if name not in order else f"`{name}`=0 skips it"
+        f"{name!r} is left out of its `order`={order}"
+        if name not in order
+        else f"`{name}`={clock.durations[Phase(name)]} skips it"  # as given: 0s, 0epochs, 0steps
         for name in names
     )
     one = "that phase" if len(names) == 1 else "one of them"
@@ -1107,7 +1109,7 @@ def unreachable_phases(owner: str, phases: Sequence[Any], clock: PhaseClock | No
     return (
         f"{owner}: `phases`={names} never come in the attached PulseCycle, whose phases are {has} ({why}), so "
         f"it would do nothing in a run of any length. Give the PulseCycle {one} (in `order`, with a length "
-        f"above 0), or set {owner}'s `phases` to phases it has ({ones})."
+        f"above 0), set {owner}'s `phases` to phases it has ({ones}), or remove {owner}."
     )
 
 

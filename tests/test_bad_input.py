@@ -149,7 +149,7 @@ def _cycle_without_replay(**options) -> PulseCycle:
     ("cycle", "callback", "why"),
     [
         ({"order": ["burst", "maintain"]}, HardSampleReplay, r"'replay' is left out of its `order`=\[.*\]"),
-        ({"replay": 0}, lambda: HardSampleReplay(mode="batch"), r"`replay`=0 skips it"),
+        ({"replay": 0}, lambda: HardSampleReplay(mode="batch"), r"`replay`=0steps skips it"),
         (
             {"order": ["burst", "maintain"]},
             lambda: GradientCache(phases=["replay"]),
@@ -165,7 +165,7 @@ def test_phases_the_pulse_cycle_never_has_are_refused_at_fit_start(mnist1d_small
     refused = (
         rf"^{name}: `phases`=\['replay'\] never come in the attached PulseCycle, whose phases are \['burst', "
         rf"'maintain'\] \({why}\), so it would do nothing .* Give the PulseCycle that phase \(in `order`, with "
-        rf"a length above 0\), or set {name}'s `phases` to phases it has \(\['maintain'\]\)\.$"
+        rf"a length above 0\), set {name}'s `phases` to phases it has \(\['maintain'\]\), or remove {name}\.$"
     )
     _refused_before_the_first_step(mnist1d_small, [_cycle_without_replay(**cycle), callback()], refused)
     # its way out trains: the phases the cycle has
