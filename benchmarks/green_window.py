@@ -260,6 +260,42 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _target_lines(goal: dict[str, Any]) -> list[str]:
+    """The targets' lines, each said only where the run has its cells (``--countries``/``--lengths`` that
+    leave out DE and GB, or the 72 h job, leave a target unmeasured: said so, not a crash)."""
+    lines = []
+    if goal["share_of_oracle_worst_cell"] is None:
+        lines.append(
+            "- Forecast keeps >= 60% of the oracle's median saving (DE, GB): not measured in this run."
+        )
+    else:
+        lines.append(
+            f"- Forecast keeps >= 60% of the oracle's median saving at every budget (DE, GB; budget 0 has nothing "
+            f"to save): worst {goal['share_of_oracle_min']:.2f} at `{goal['share_of_oracle_worst_cell']}`: "
+            f"**{'met' if goal['share_of_oracle_met'] else 'missed'}**."
+        )
+    best72 = goal["forecast_72h_100pct"]
+    if not best72:
+        lines.append("- >= 15% on DE or GB for a 72 h job at a 100% budget: not measured in this run.")
+        return lines
+    best = max(best72.values())
+    lines.append(
+        "- >= 15% on DE or GB for a 72 h job at a 100% budget with the forecast: "
+        + ", ".join(f"{c.upper()} {v:.1f}%" for c, v in best72.items())
+        + f": **{'met' if goal['fifteen_pct_met'] else 'missed'}**."
+    )
+    lines.append(
+        f"- Moonshot, the published ~19% with the forecast: best {best:.1f}%"
+        + (
+            ": met."
+            if best >= 19
+            else f", missed by {19 - best:.1f} pp: the forecast's error grows to a quarter of the signal a day "
+            "ahead (table below), and a 72 h job at 100% ranks slots up to 144 h ahead."
+        )
+    )
+    return lines
+
+
 def markdown(result: dict[str, Any], command: str) -> str:
     goal = result["targets"]
     lines = [
@@ -279,20 +315,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
         "",
         "## Targets",
         "",
-        f"- Forecast keeps >= 60% of the oracle's median saving at every budget (DE, GB; budget 0 has nothing "
-        f"to save): worst {goal['share_of_oracle_min']:.2f} at `{goal['share_of_oracle_worst_cell']}`: "
-        f"**{'met' if goal['share_of_oracle_met'] else 'missed'}**.",
-        "- >= 15% on DE or GB for a 72 h job at a 100% budget with the forecast: "
-        + ", ".join(f"{c.upper()} {v:.1f}%" for c, v in goal["forecast_72h_100pct"].items())
-        + f": **{'met' if goal['fifteen_pct_met'] else 'missed'}**.",
-        f"- Moonshot, the published ~19% with the forecast: best {max(goal['forecast_72h_100pct'].values()):.1f}%"
-        + (
-            ": met."
-            if max(goal["forecast_72h_100pct"].values()) >= 19
-            else f", missed by {19 - max(goal['forecast_72h_100pct'].values()):.1f} pp: the forecast's error grows "
-            "to a quarter of the signal a day ahead (table below), and a 72 h job at 100% ranks slots up to 144 h "
-            "ahead."
-        ),
+        *_target_lines(goal),
         "- France (the control) is outside the 60% target: "
         + ", ".join(
             f"{key.split('/', 1)[1]} {cell['forecast_share_of_oracle']:.2f}"
