@@ -100,6 +100,11 @@ def _width_setter(module: nn.Module) -> Callable[[Any, torch.Tensor], None] | No
     return next((setter for matches, setter in _WIDTHS if matches(module)), None)
 
 
+def sets_widths_of(module: nn.Module) -> bool:
+    """Whether :func:`fit_widths` can give ``module`` (a layer of a kind a cut narrows) the saved widths."""
+    return _width_setter(module) is not None
+
+
 def differing_layers(
     module: nn.Module, state_dict: Mapping[str, Any], prefix: str = ""
 ) -> dict[str, dict[str, torch.Size]]:

@@ -1410,27 +1410,34 @@ def replay_structure(
     experts in a fresh module than in the run), with the events before it replayed."""
     named = dict(model.named_modules())
     for entries in _history_by_event(history, events):
-        graph = build_dependency_graph(model, example_inputs, precision)
-        untraced = [name for name, _, _ in entries if named.get(name) not in graph.module2node]
-        if untraced:
-            return (
-                f"the recorded input, traced through this module, does not reach {_some(untraced)}, which the "
-                "run cut (a layer called depending on the data, as an expert behind a router)"
-            )
         held = {
             (id(module), name): param
             for module in model.modules()
             for name, param in module._parameters.items()
         }
-        graph.load_pruning_history([[name, is_out, list(indices)] for name, is_out, indices in entries])
-        # torch-pruning put new parameters in: the objects the module's hooks and lists hold take their values,
-        # as at a cut (a resume or load_pruned left a user's gradient hooks and lists of parameters dead)
-        for module in model.modules():
-            for name, new in list(module._parameters.items()):
-                old = held.get((id(module), name))
-                if old is not None and new is not None and new is not old:
-                    module._parameters[name] = old
-                    cut_in_place(old, new, kept=None)  # a fresh module's replay: no gradient to cut
+        try:
+            graph = build_dependency_graph(model, example_inputs, precision)
+            untraced = [name for name, _, _ in entries if named.get(name) not in graph.module2node]
+            if untraced:
+                return (
+                    f"the recorded input, traced through this module, does not reach {_some(untraced)}, which "
+                    "the run cut (a layer called depending on the data, as an expert behind a router)"
+                )
+            graph.load_pruning_history([[name, is_out, list(indices)] for name, is_out, indices in entries])
+        except Exception as error:  # a trace or cut this module cannot follow: the saved shapes decide
+            # (a checkpoint resumed from one saved before events were told apart: its first, merged, event
+            # replayed on one graph gives other widths, and the next event's trace fails in the model's forward)
+            return f"an event's replay failed ({type(error).__name__}: {error})"
+        finally:
+            # torch-pruning put new parameters in: the objects the module's hooks and lists hold take their
+            # values, as at a cut (a resume or load_pruned left a user's gradient hooks and lists of parameters
+            # dead)
+            for module in model.modules():
+                for name, new in list(module._parameters.items()):
+                    old = held.get((id(module), name))
+                    if old is not None and new is not None and new is not old:
+                        module._parameters[name] = old
+                        cut_in_place(old, new, kept=None)  # a fresh module's replay: no gradient to cut
     return None
 
 
@@ -3340,7 +3347,11 @@ def fit_to_state_dict(
                 continue
             if "weight" in layer._parameters:
                 add_mask(layer)
-    mismatched = _shapes_to_fit(module, state_dict, prefix, keys)
+    # a buffer of a module holding no parameter (a batch statistic it resizes on load) is no cut's: left to the
+    # load (first in the state dict, it was read as channels lost since the save)
+    mismatched = [
+        key for key in _shapes_to_fit(module, state_dict, prefix, keys) if _cut_could_narrow(module, key)
+    ]
     if not mismatched:
         return
     key = mismatched[0]
@@ -3367,7 +3378,12 @@ def fit_to_state_dict(
     example = _example_in_module_dtype(module, state_dict, prefix, keys, recorded)
     events = recorded.get("history_events")
     unreplayed = replay_structure(module, example, recorded["history"], trace_precision, events)
-    if unreplayed is None and not _shapes_to_fit(module, state_dict, prefix, keys):
+    if unreplayed is None and not any(
+        prune_widths.sets_widths_of(module.get_submodule(key.rpartition(".")[0]))
+        for key in _shapes_to_fit(module, state_dict, prefix, keys)
+    ):
+        # a full replay: a shape it leaves different is no cut layer's (a buffer its module resizes on load),
+        # the load's to handle, as before the events were told apart
         return
     # every value is loaded next, so the widths (the saved shapes) are all a replay that cannot follow the run
     # has to give: a router's experts, or a history recorded before its events were told apart (one graph)
@@ -3390,6 +3406,17 @@ def _shapes_to_fit(
         and own[key].shape != state_dict[prefix + key].shape
         and not _resized_on_load(module, key)
     ]
+
+
+def _cut_could_narrow(module: nn.Module, key: str) -> bool:
+    """Whether the state entry ``key`` is one a channel cut changes: a parameter, or a buffer of a module that
+    holds parameters (a batch norm's running statistics), not a buffer of a parameter-free module."""
+    owner_name, _, name = key.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_name)
+    except AttributeError:
+        return True
+    return name in owner._parameters or bool(owner._parameters)
 
 
 def _resized_on_load(module: nn.Module, key: str) -> bool:
