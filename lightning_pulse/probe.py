@@ -33,7 +33,7 @@ from lightning_pulse.core.optimizer_modes import at_evaluation_point
 from lightning_pulse.core.selection import entries_replaced, rebuilt
 from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 from lightning_pulse.core.stability_steps import DrawnState
-from lightning_pulse.core.validation_streams import StreamsCannotStart, ValidationStreams
+from lightning_pulse.core.validation_streams import ValidationStart
 from lightning_pulse.loggers import log_to_loggers
 
 #: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
@@ -147,7 +147,7 @@ def run_validation_probe(
     unlogged: set[str] | None = None,
     owner: str = "lightning_pulse",
     uncopied: set[type] | None = None,
-    streams: ValidationStreams | None = None,
+    start: ValidationStart | None = None,
 ) -> dict[str, float]:
     """Evaluate the module's own ``validation_step`` on ``batches`` (of the first of ``several`` validation
     dataloaders: then called with ``dataloader_idx=0``, as Lightning does) and return what it logs, reduced as
@@ -166,8 +166,9 @@ def run_validation_probe(
     mode: a count of validation samples, a running mean updated in every forward) are restored afterwards;
     and it draws from a copy of the random generators; so neither training nor the real validation loop sees
     anything of the probe. The tensor state ``validation_step`` carries from batch to batch (a stateful RNN's)
-    starts fresh, ``None``, as the held-out streams do (``streams``, learnt at its first probe: a fresh one per
-    call where not given; see :mod:`lightning_pulse.core.validation_streams`).
+    starts as the module's own ``on_validation_start``/``on_validation_epoch_start`` set it (``start``, learnt
+    at its first probe: a fresh one per call where not given; see
+    :mod:`lightning_pulse.core.validation_streams`).
     Under DDP every rank calls this at the same step and gets the figures over every rank's batches, as
     ``sync_dist=True`` gives them: the weighted sums and the weights summed over ranks, sums summed, maxima and
     minima taken over ranks.
@@ -237,17 +238,17 @@ def run_validation_probe(
         else:
             pl_module.validation_step(batch, index)
 
-    streams = ValidationStreams(owner, PROBE_OFF) if streams is None else streams
+    start = ValidationStart(owner, PROBE_OFF) if start is None else start
     modes = {module: module.training for module in pl_module.modules()}
     pl_module.eval()
     try:
-        if streams.names is None and batches:
-            _learn_streams(trainer, pl_module, streams, prepared(0), validation_step)
+        if start.state is None and batches:
+            _learn_start(trainer, pl_module, start)
         with (
             kept_buffers(pl_module),
             outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()),
         ):
-            streams.set_aside(pl_module)  # outside_the_loop gives the training stream's state back
+            start.apply(pl_module)  # outside_the_loop gives the training stream's state back
             for index in range(len(batches)):
                 batch = prepared(index)
                 inferred_size = None
@@ -281,29 +282,18 @@ def run_validation_probe(
     return dict(sorted(figures.items()))
 
 
-def _learn_streams(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    streams: ValidationStreams,
-    batch: Any,
-    validation_step: Callable[[Any, int], None],
-) -> None:
-    """:meth:`ValidationStreams.learn` on the probe's first (prepared) batch, in a trial that leaves no trace:
-    its logs dropped, and all the probe restores restored; its warning said once (``streams`` learns once a
-    fit)."""
+def _learn_start(trainer: pl.Trainer, pl_module: pl.LightningModule, start: ValidationStart) -> None:
+    """:meth:`ValidationStart.learn`, with all the probe restores restored and the hooks' logs dropped; its
+    warning said once (``start`` learns once a fit)."""
 
     def drop(*args: Any, **kwargs: Any) -> None:
         return None
 
-    try:
-        batch_size: int | None = extract_batch_size(batch)
-    except MisconfigurationException:  # no tensor in it: no batch-sized state to tell
-        batch_size = None
     with (
         kept_buffers(pl_module),
         outside_the_loop(pl_module, drop, drop, trainer.precision_plugin.val_step_context()),
     ):
-        warning = streams.learn(pl_module, partial(validation_step, batch, 0), batch_size)
+        warning = start.learn(pl_module)
     if warning is not None:
         rank_zero_warn(warning)
 
@@ -640,14 +630,14 @@ class HeldOutProbe:
         self._unavailable = False
         self.unlogged: set[str] = set()  # the names validation_step logged with `logger=False` this fit
         self.uncopied: set[type] = set()  # the batch classes found not to copy (said once each)
-        # the state validation_step carries from batch to batch, set aside at every probe (learnt at the first)
-        self.streams = ValidationStreams(owner, off_switch)
+        # the carried state the module's validation starts from, set at every probe (learnt at the first)
+        self.start = ValidationStart(owner, off_switch)
 
     def reset(self) -> None:
         """Take the batches again at the next run (a new fit may have new validation data)."""
         self._data = None
         self.unlogged = set()
-        self.streams.reset()
+        self.start.reset()
 
     def for_loggers(self, figures: Mapping[str, float], prefix: str) -> dict[str, float]:
         """``figures`` as sent to the loggers, each name after ``prefix``: without those the module logged
@@ -703,18 +693,13 @@ class HeldOutProbe:
             rank_zero_warn(f"{self.owner}: no validation dataloader or `validation_step`; {self.what_stops}.")
             self._unavailable = True
             return None
-        try:
-            return run_validation_probe(
-                trainer,
-                pl_module,
-                self._data,
-                self._several,
-                self.unlogged,
-                self.owner,
-                self.uncopied,
-                self.streams,
-            )
-        except StreamsCannotStart as cannot:  # a measurement never ends a run: said, and off for this fit
-            rank_zero_warn(str(cannot))
-            self._unavailable = True
-            return None
+        return run_validation_probe(
+            trainer,
+            pl_module,
+            self._data,
+            self._several,
+            self.unlogged,
+            self.owner,
+            self.uncopied,
+            self.start,
+        )

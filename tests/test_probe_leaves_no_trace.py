@@ -150,3 +150,50 @@ def test_stability_guards_rerun_of_training_step_gives_a_plain_attribute_its_val
     _fit(mnist1d_small, spy, running_mean=True, plain_mean=True)
     before, after = spy.means
     assert torch.equal(before, after)
+
+
+class _SparseAdjacency(pl.LightningModule):
+    """A graph model holding its adjacency as a plain sparse attribute (`self.adj = ...to_sparse()`), common in
+    GCN code: read by every forward, never written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adj = (torch.eye(8) + torch.diag(torch.ones(7), 1)).to_sparse()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x):  # x: (B, 8 nodes, 4 features)
+        mixed = torch.stack([torch.sparse.mm(self.adj, sample) for sample in x])
+        return self.lin(mixed).mean(1)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("callback", ["probe", "guard"])
+def test_a_sparse_plain_attribute_is_carried_through_probes_and_guard_checks(callback):
+    # a review and a sweep: the probe's value write-back read it with torch.equal (no sparse kernel) and crashed
+    # the first probe; the guard's forward-state evidence did the same at the first step end (an older crash)
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pulse import StabilityGuard
+
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(64, 8, 4, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+    )
+    loaders = DataLoader(data, batch_size=8), DataLoader(data, batch_size=8)
+    cycle = PulseCycle(burst=4, replay=2, maintain=2, warmup=0, anneal=0, probe_batches=2)
+    trainer = pl.Trainer(
+        max_steps=16, callbacks=[cycle if callback == "probe" else StabilityGuard()], **trainer_kwargs()
+    )
+    module = _SparseAdjacency()
+    trainer.fit(module, *loaders)
+    assert trainer.global_step == 16 and module.adj.is_sparse
+    if callback == "probe":
+        assert "val_loss" in cycle.last_probe

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -10,14 +11,16 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_pulse import Phase, PulseCycle
-from tests.clients import CLIENTS
+from tests.clients import CLIENTS, StatefulLSTM
 from tests.conftest import trainer_kwargs
 
 pytest.importorskip("transformers")
 
 
-def _cycle():
-    return PulseCycle(burst=10, replay=8, maintain=2, warmup=0, anneal=0, probe_batches=2)
+def _cycle(**kwargs):
+    return PulseCycle(
+        **{"burst": 10, "replay": 8, "maintain": 2, "warmup": 0, "anneal": 0, "probe_batches": 2, **kwargs}
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CLIENTS))
@@ -61,10 +64,11 @@ def test_the_probe_gives_a_stateful_module_its_training_state_back():
 
 @pytest.mark.parametrize("validation_batch", [8, 16], ids=["same-batch-size", "other-batch-size"])
 def test_the_probe_evaluates_a_stateful_module_from_the_state_its_validation_starts_from(validation_batch):
-    """Sweep: the probe calls none of the module's validation hooks, so the client's reset of its hidden state
-    in ``on_validation_epoch_start`` never ran: a validation batch of another size crashed the fit at the first
-    maintain phase (``Expected hidden[0] size (1, 16, 64), got [2, 8, 64]``), one of the same size was
-    measured from the training stream's state (a ``val_loss`` no validation gives)."""
+    """Sweep: the probe calls none of the module's validation hooks as they are, so the client's reset of its
+    hidden state in ``on_validation_epoch_start`` never ran: a validation batch of another size crashed the fit
+    at the first maintain phase (``Expected hidden[0] size (1, 16, 64), got [2, 8, 64]``), one of the same size
+    was measured from the training stream's state (a ``val_loss`` no validation gives). The probe learns, once
+    a fit, what the module's validation-start hooks set its carried state to, and starts from it."""
     from torch.utils.data import DataLoader
 
     from tests.clients import _ContiguousStreams
@@ -90,7 +94,7 @@ def test_the_probe_evaluates_a_stateful_module_from_the_state_its_validation_sta
     assert module.state is training_state
     validated = pl.Trainer(limit_val_batches=2, **trainer_kwargs()).validate(module, data, verbose=False)
     assert probed["val_loss"] == pytest.approx(validated[0]["val_loss"], rel=1e-5)
-    assert cycle.probe.streams.names == ("state",)  # learnt once, at the first probe
+    assert cycle.probe.start.state == {"state": None}  # learnt once, from the module's own hook
 
 
 def _zero_state_lstm(validation_batch: int):
@@ -121,23 +125,82 @@ def _zero_state_lstm(validation_batch: int):
     return ZeroStateLSTM(), data
 
 
-def test_a_state_the_probe_cannot_start_fresh_is_said_and_named_never_used_silently():
-    """The probe starts a validation stream's state as ``None``; a module whose step cannot take ``None`` is
-    told so, with the way out, and the probe evaluates from the state it finds (same batch size); with
-    another batch size the probe cannot run at all: it says why, naming PulseCycle and the way out, and is off
-    for the fit, which goes on."""
-    for validation_batch, said in (
-        (8, "replaces `state`"),
-        (16, "Expected hidden.*probe is off for this fit"),
-    ):
+@pytest.mark.parametrize("validation_batch", [8, 16], ids=["same-batch-size", "other-batch-size"])
+def test_the_probe_starts_a_state_of_zeros_as_the_modules_own_hook_makes_it(validation_batch):
+    """A module whose validation state is zeros of the validation batch's size, made in its own
+    ``on_validation_epoch_start`` (its step cannot take ``None``): the probe starts from those (a first design
+    set such state to ``None``, and the probe switched itself off for a validation batch of another size)."""
+    pl.seed_everything(0, verbose=False)
+    module, data = _zero_state_lstm(validation_batch)
+    cycle = _cycle()
+    trainer = pl.Trainer(max_steps=22, limit_val_batches=2, callbacks=[cycle], **trainer_kwargs())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="PulseCycle: the module's")
+        trainer.fit(module, data)
+    assert trainer.global_step == 22 and math.isfinite(cycle.last_probe["val_loss"])
+    probed = cycle.probe.run(trainer, module)
+    validated = pl.Trainer(limit_val_batches=2, **trainer_kwargs()).validate(module, data, verbose=False)
+    assert probed["val_loss"] == pytest.approx(validated[0]["val_loss"], rel=1e-5)
+
+
+def test_a_module_whose_validation_keeps_the_training_state_is_probed_from_it_as_lightning_validates():
+    """A review: guessing the validation streams' state from shapes set aside a state that a module without a
+    reset hook carries into its validation (Lightning's validation continues from the training stream's state),
+    and a running centre that matched the batch size by chance. Without a validation-start hook nothing is
+    changed: the probe reads what Lightning's validation reads."""
+
+    class NoReset(StatefulLSTM):
+        def on_validation_epoch_start(self) -> None:  # Lightning's own: the state carries on
+            pass
+
+        def on_validation_epoch_end(self) -> None:
+            pass
+
+    pl.seed_everything(0, verbose=False)
+    _, data = CLIENTS["stateful-lstm"]()
+    data.max_chars = 20_000
+    module, cycle = NoReset(), _cycle()
+    trainer = pl.Trainer(max_steps=22, limit_val_batches=2, callbacks=[cycle], **trainer_kwargs())
+    trainer.fit(module, data)
+    state = module.state
+    probed = cycle.probe.run(trainer, module)
+    assert module.state is state
+    validated = pl.Trainer(limit_val_batches=2, **trainer_kwargs()).validate(module, data, verbose=False)
+    assert probed["val_loss"] == pytest.approx(validated[0]["val_loss"], rel=1e-5)
+    assert cycle.probe.start.state == {}
+
+
+def test_a_validation_start_hook_that_swaps_weights_in_leaves_training_and_the_probe_on_the_trained_ones():
+    """The probe runs the module's validation-start hooks once a fit to learn its carried state's start; a hook
+    that copies EMA weights into the model (its end hook copies them back) must leave neither training nor the
+    probe on them."""
+
+    class SwapsWeights(StatefulLSTM):
+        def on_validation_epoch_start(self) -> None:
+            super().on_validation_epoch_start()
+            self._kept = [p.detach().clone() for p in self.parameters()]
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.mul_(0.5)  # stands for the EMA weights
+
+        def on_validation_epoch_end(self) -> None:
+            with torch.no_grad():
+                for p, kept in zip(self.parameters(), self._kept):
+                    p.copy_(kept)
+            super().on_validation_epoch_end()
+
+    weights = []
+    for maintain_eval in ("none", "probe"):
         pl.seed_everything(0, verbose=False)
-        module, data = _zero_state_lstm(validation_batch)
-        cycle = _cycle()
+        _, data = CLIENTS["stateful-lstm"]()
+        data.max_chars = 20_000
+        module = SwapsWeights()
+        cycle = _cycle(maintain_eval="probe" if maintain_eval == "probe" else "none", probe_batches=4)
         trainer = pl.Trainer(max_steps=22, limit_val_batches=2, callbacks=[cycle], **trainer_kwargs())
-        with pytest.warns(UserWarning, match=rf"PulseCycle: .*{said}.*maintain_eval=\"none\""):
-            trainer.fit(module, data)
-        assert trainer.global_step == 22
-        assert bool(cycle.last_probe) == (validation_batch == 8)
+        trainer.fit(module, data)
+        weights.append([p.detach().clone() for p in module.parameters()])
+    assert cycle.last_probe and cycle.probe.start.state == {"state": None}
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
 
 
 class _NormalisedInHook(pl.LightningModule):

@@ -586,8 +586,13 @@ EntryValue = tuple[Tensor, int, Tensor]
 def _entry_values(tensors: Iterable[Tensor]) -> list[EntryValue]:
     """Each distinct tensor of ``tensors`` with its version counter and a copy of its values, for
     :func:`_write_back`; an inference tensor cannot be written outside inference mode (and keeps no version
-    count), so it is left out."""
-    distinct = {id(tensor): tensor for tensor in tensors if not is_lazy(tensor) and not tensor.is_inference()}
+    count), so it is left out, and so is a sparse one (a graph's adjacency, which ``torch.equal`` cannot read; a
+    module rebinds rather than writes into it)."""
+    distinct = {
+        id(tensor): tensor
+        for tensor in tensors
+        if not is_lazy(tensor) and not tensor.is_inference() and tensor.layout is torch.strided
+    }
     return [(tensor, tensor._version, tensor.detach().clone()) for tensor in distinct.values()]
 
 

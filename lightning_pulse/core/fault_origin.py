@@ -184,7 +184,10 @@ def forward_state_tensors(buffers: Mapping[str, Tensor], carried: Mapping[str, A
     alike, so they compare name by name."""
     named = dict(buffers)
     for name, value in carried.items():
-        tensors = tensors_in(value)
+        # a sparse attribute (a graph's adjacency) is read, not written, and no element-wise check takes it
+        tensors = tuple(tensor for tensor in tensors_in(value) if tensor.layout is torch.strided)
+        if not tensors:
+            continue
         named.update(
             {name: tensors[0]} if len(tensors) == 1 else {f"{name}[{i}]": t for i, t in enumerate(tensors)}
         )

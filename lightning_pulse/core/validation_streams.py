@@ -1,134 +1,115 @@
-"""Which tensor state a module's ``validation_step`` carries from one validation batch to the next, so that an
-evaluation outside Lightning's validation loop (PulseCycle's and ScheduledPrune's probe) starts it fresh, as
-the held-out streams start. Plain torch.
+"""The tensor state a module's validation starts from, so that an evaluation outside Lightning's validation loop
+(PulseCycle's and ScheduledPrune's probe) starts from it too. Plain torch.
 
 A stateful RNN trained with truncated backpropagation keeps its hidden state on the module
-(``self.state = tuple(s.detach() for s in state)``) and sets it aside for validation in its own
-``on_validation_epoch_start`` (``self._train_state, self.state = self.state, None``): Lightning's validation
-starts the held-out streams from no state. A probe calls none of the module's validation hooks (an
+(``self.state = tuple(s.detach() for s in state)``) and sets it for validation in its own
+``on_validation_epoch_start`` (``self._train_state, self.state = self.state, None``, or zeros of the
+validation batch's size). A probe calls none of the module's validation hooks as they are (an
 ``on_validation_epoch_end`` may write to the logger, an ``on_validation_epoch_start`` may swap EMA weights in
 until that end hook swaps them back), so it found the training stream's state in place: a validation batch of
-another size crashed in the LSTM (``Expected hidden[0] size (1, 16, 32), got [1, 8, 32]``) at the first
-probe, one of the same size was measured from a state no validation starts from.
+another size crashed in the LSTM (``Expected hidden[0] size (1, 16, 32), got [1, 8, 32]``) at the first probe,
+one of the same size was measured from a state no validation starts from.
 
-:class:`ValidationStreams` learns, once a fit, with a trial ``validation_step`` on the probe's first batch
-whose effects the caller undoes, which of the module's plain tensor attributes (:func:`carried_tensors`)
-``validation_step`` replaces with a tensor of the batch's size: its streams' state. Every probe then sets that
-state aside (``None``: the fresh state ``nn.LSTM``/``nn.GRU`` take, and the one the hook above leaves) for its
-batches; the caller's ``kept_carried_state`` gives the training stream's state back afterwards. What is written
-in place (a running centre), read and never replaced (a table built once) or replaced with no batch-sized
-tensor (a feature centre ``(1, D)``) stays as it is, as Lightning's validation finds it. A trial that raises
-where a replaced state was looked at (the shape check of a validation batch of another size) is tried again
-with what it looked at set aside; failing again, the probe is switched off with a warning that says why.
+:class:`ValidationStart` runs the module's own ``on_validation_start`` and ``on_validation_epoch_start`` once a
+fit, where it overrides them, with everything they do undone by the caller (and the parameters given back
+here: a swap of EMA weights into the model), and keeps only what they set the module's carried tensor state
+(:func:`~lightning_pulse.core.carried_state.carried_tensors`) to. Every probe then sets that state so (fresh
+copies), and the caller's ``kept_carried_state`` gives the training stream's back afterwards. A module whose
+hooks leave that state alone (or that has none) is evaluated from the state it carries, as Lightning's
+validation is; the probe still evaluates the weights being trained, not an EMA copy the hook swaps in.
 
 Example::
 
-    streams = ValidationStreams("PulseCycle", 'maintain_eval="none"')
-    with undone(module):  # everything the trial writes comes back (the probe's contexts)
-        warning = streams.learn(module, lambda: module.validation_step(batch, 0), batch_size=len(batch[0]))
+    start = ValidationStart("PulseCycle", 'maintain_eval="none"')
+    with undone(module):  # what the hooks write comes back (the probe's contexts)
+        warning = start.learn(module)
     with undone(module):
-        streams.set_aside(module)  # module.state is None for the probe's batches
+        start.apply(module)  # module.state as the module's validation starts it
         for i, b in enumerate(batches):
             module.validation_step(b, i)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
-from lightning_pulse.core.carried_state import _attribute, _ReadWatch, carried_tensors, tensors_in
+from lightning_pulse.core.carried_state import _to, carried_tensors
+
+#: the module's hooks that run before its first validation batch, in Lightning's order
+START_HOOKS = ("on_validation_start", "on_validation_epoch_start")
 
 
-class StreamsCannotStart(RuntimeError):
-    """:meth:`ValidationStreams.learn` cannot start the validation streams fresh: the message names the
-    callback, the state, both errors and the way out; the probe switches itself off."""
+def overridden_start_hooks(module: nn.Module) -> list[str]:
+    """The names of :data:`START_HOOKS` that ``module``'s class overrides (Lightning's own do nothing)."""
+    import lightning.pytorch as pl
+
+    return [
+        name
+        for name in START_HOOKS
+        if getattr(type(module), name, None) is not getattr(pl.LightningModule, name, None)
+    ]
 
 
-class ValidationStreams:
-    """The state a module's ``validation_step`` carries between validation batches (see the module
-    docstring), learnt by :meth:`learn` and set aside by :meth:`set_aside`. ``owner`` and ``off_switch``: the
-    callback and its argument that turns the probe off, for the messages."""
+class ValidationStart:
+    """The carried tensor state a module's validation starts from (see the module docstring), learnt by
+    :meth:`learn` and set by :meth:`apply`. ``owner`` and ``off_switch``: the callback and its argument that
+    turns the probe off, for the messages."""
 
     def __init__(self, owner: str, off_switch: str) -> None:
         self.owner = owner
         self.off_switch = off_switch
-        self.names: tuple[str, ...] | None = None  # dotted attribute paths; None: not learnt yet
+        self.state: dict[str, Any] | None = (
+            None  # dotted attribute path -> its value at the start; None: unlearnt
+        )
 
     def reset(self) -> None:
         """Learn again at the next probe (a new fit)."""
-        self.names = None
+        self.state = None
 
-    def set_aside(self, module: nn.Module, names: tuple[str, ...] | None = None) -> None:
-        """Set each of ``names`` (the learnt ones by default) that ``module`` holds to ``None``."""
-        for dotted in (self.names or ()) if names is None else names:
+    def apply(self, module: nn.Module) -> None:
+        """Set the learnt attributes of ``module`` to fresh copies of their validation-start values."""
+        for dotted, value in (self.state or {}).items():
             owner_name, _, name = dotted.rpartition(".")
             try:
                 owner = module.get_submodule(owner_name) if owner_name else module
-            except AttributeError:  # the module changed since: nothing of it to set aside
+            except AttributeError:  # the module changed since: nothing of it to set
                 continue
-            if name in vars(owner):
-                setattr(owner, name, None)
+            setattr(owner, name, _to(value, None))
 
-    def learn(self, module: nn.Module, step: Callable[[], Any], batch_size: int | None) -> str | None:
-        """Learn the streams' state from ``step`` (``validation_step`` on the probe's first batch, of
-        ``batch_size`` samples where known), run once or twice: the caller undoes what it writes. Returns a
-        warning when ``validation_step`` replaces such state but fails when it starts from ``None`` (the probe
-        then evaluates from the state it finds, which only a module whose validation hooks keep it matches);
-        raises :class:`StreamsCannotStart` when it fails both from the state found and with what it looked at
-        set aside (an evaluation is a measurement: it never ends a run that Lightning's validation passes)."""
-        entry = {name: tensors_in(value) for name, value in carried_tensors(module).items()}
-        watch = _ReadWatch({id(tensor) for tensors in entry.values() for tensor in tensors}, looks=True)
-        try:
-            with watch:
-                step()
-        except Exception as error:
-            looked = tuple(
-                name for name, tensors in entry.items() if any(id(t) in watch.read for t in tensors)
-            )
-            if not looked:
-                raise  # not the state's doing: the probe's own run raises it as it is
-            self.set_aside(module, looked)
-            try:
-                step()
-            except Exception as again:
-                raise StreamsCannotStart(
-                    f"{self.owner}: the module's `validation_step` raised {error!r} in the evaluation probe, "
-                    f"from the state training left in {_quoted(looked)}, and {again!r} with that set aside "
-                    "(`None`, as a reset in `on_validation_epoch_start` leaves a stateful RNN's), so the probe "
-                    "cannot start the validation streams fresh; it calls none of the module's validation hooks. "
-                    "The probe is off for this fit (Lightning's validation is not affected). Let "
-                    f"`validation_step` start from `None`, or turn the probe off with `{self.off_switch}`."
-                ) from error
-            self.names = looked
+    def learn(self, module: nn.Module) -> str | None:
+        """Run the module's overridden validation-start hooks once and keep what they set its carried tensor
+        state to; the caller undoes the rest, the parameters are given back here. Returns a warning where a
+        hook raises (the probe then evaluates from the state it finds, as before it learnt)."""
+        self.state = {}
+        hooks = overridden_start_hooks(module)
+        if not hooks:
             return None
-        self.names = tuple(
-            name
-            for name, tensors in entry.items()
-            if (now := tensors_in(_attribute(module, name)))
-            and {id(t) for t in now} != {id(t) for t in tensors}
-            and (batch_size is None or any(batch_size in t.shape for t in now))
-        )
-        if not self.names:
-            return None
-        self.set_aside(module)
+        before = carried_tensors(module)
+        parameters = [(parameter, parameter.detach().clone()) for parameter in module.parameters()]
         try:
-            step()
+            for name in hooks:
+                getattr(module, name)()
         except Exception as error:
-            names, self.names = self.names, ()
             return (
-                f"{self.owner}: the module's `validation_step` replaces {_quoted(names)} at every batch, as a "
-                "stateful RNN's state carried from batch to batch; the evaluation probe calls none of the "
-                "module's validation hooks and starts such state fresh (`None`, as a reset in "
-                f"`on_validation_epoch_start` leaves it), but from `None` it raised {error!r}. The probe "
-                "evaluates from the state training left there instead, which Lightning's validation does only "
-                "if the module's validation hooks keep it. Let `validation_step` start from `None`, or turn the "
-                f"probe off with `{self.off_switch}`."
+                f"{self.owner}: the module's `{name}` raised {error!r} when the evaluation probe ran it to learn "
+                "the state its validation starts from (a stateful RNN's, reset there); the probe evaluates from "
+                "the state it finds instead. Let the hook run outside Lightning's loop, or turn the probe off "
+                f"with `{self.off_switch}`."
             )
+        finally:
+            with torch.no_grad():  # a hook that swaps EMA weights in: the probe evaluates the trained ones
+                for parameter, kept in parameters:
+                    if parameter.shape == kept.shape and not torch.equal(parameter, kept):
+                        parameter.copy_(kept)
+        after = carried_tensors(module)
+        # the state training carried that the hooks set anew; not what they put in attributes of their own (the
+        # training state set aside, `self._train_state = self.state`, or a copy of the weights an EMA swap keeps)
+        self.state = {
+            dotted: _to(after[dotted], None)
+            for dotted, value in before.items()
+            if dotted in after and after[dotted] is not value
+        }
         return None
-
-
-def _quoted(names: tuple[str, ...]) -> str:
-    return ", ".join(f"`{name}`" for name in names)
