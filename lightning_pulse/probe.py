@@ -33,7 +33,7 @@ from lightning_pulse.core.optimizer_modes import at_evaluation_point
 from lightning_pulse.core.selection import entries_replaced, rebuilt
 from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 from lightning_pulse.core.stability_steps import DrawnState
-from lightning_pulse.core.validation_streams import ValidationStart
+from lightning_pulse.core.validation_streams import ProbeFailed, state_reset_note
 from lightning_pulse.loggers import log_to_loggers
 
 #: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
@@ -147,7 +147,7 @@ def run_validation_probe(
     unlogged: set[str] | None = None,
     owner: str = "lightning_pulse",
     uncopied: set[type] | None = None,
-    start: ValidationStart | None = None,
+    failed_on_all: bool = False,
 ) -> dict[str, float]:
     """Evaluate the module's own ``validation_step`` on ``batches`` (of the first of ``several`` validation
     dataloaders: then called with ``dataloader_idx=0``, as Lightning does) and return what it logs, reduced as
@@ -166,9 +166,10 @@ def run_validation_probe(
     mode: a count of validation samples, a running mean updated in every forward) are restored afterwards;
     and it draws from a copy of the random generators; so neither training nor the real validation loop sees
     anything of the probe. The tensor state ``validation_step`` carries from batch to batch (a stateful RNN's)
-    starts as the module's own ``on_validation_start``/``on_validation_epoch_start`` set it (``start``, learnt
-    at its first probe: a fresh one per call where not given; see
-    :mod:`lightning_pulse.core.validation_streams`).
+    is the training stream's: the probe calls none of the module's validation hooks (see
+    :mod:`lightning_pulse.core.validation_streams`). ``failed_on_all``: a ``validation_step`` that raises is
+    told to every rank (one collective), and :class:`ProbeFailed` is raised on all of them, so none waits in
+    the figures' reduction for one that failed.
     Under DDP every rank calls this at the same step and gets the figures over every rank's batches, as
     ``sync_dist=True`` gives them: the weighted sums and the weights summed over ranks, sums summed, maxima and
     minima taken over ranks.
@@ -238,17 +239,14 @@ def run_validation_probe(
         else:
             pl_module.validation_step(batch, index)
 
-    start = ValidationStart(owner, PROBE_OFF) if start is None else start
     modes = {module: module.training for module in pl_module.modules()}
     pl_module.eval()
+    error: Exception | None = None
     try:
-        if start.state is None and batches:
-            _learn_start(trainer, pl_module, start)
         with (
             kept_buffers(pl_module),
             outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()),
         ):
-            start.apply(pl_module)  # outside_the_loop gives the training stream's state back
             for index in range(len(batches)):
                 batch = prepared(index)
                 inferred_size = None
@@ -258,9 +256,19 @@ def run_validation_probe(
                 value = metric.compute()
                 if isinstance(value, torch.Tensor) and value.numel() == 1:
                     sums[name], weights[name] = float(value.detach().float()), 1.0  # the same on every rank
+    except Exception as raised:
+        if not failed_on_all:
+            raise
+        error = raised
     finally:
         for module, training in modes.items():
             module.train(training)
+    if failed_on_all:
+        failed = torch.tensor(0.0 if error is None else 1.0, device=pl_module.device)
+        if trainer.world_size > 1:  # every rank learns that one failed, before any waits in the reduction
+            failed = compat.reduce_held(trainer.strategy, failed, "sum", PROBE_COLLECTIVES)
+        if float(failed) > 0:
+            raise ProbeFailed(error)
     figures: dict[str, float] = {}
     if names := sorted(sums):
         totals = torch.tensor(
@@ -280,22 +288,6 @@ def run_validation_probe(
                 values = compat.reduce_held(trainer.strategy, values, reduction, PROBE_COLLECTIVES)
             figures.update(zip(names, values.tolist()))
     return dict(sorted(figures.items()))
-
-
-def _learn_start(trainer: pl.Trainer, pl_module: pl.LightningModule, start: ValidationStart) -> None:
-    """:meth:`ValidationStart.learn`, with all the probe restores restored and the hooks' logs dropped; its
-    warning said once (``start`` learns once a fit)."""
-
-    def drop(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    with (
-        kept_buffers(pl_module),
-        outside_the_loop(pl_module, drop, drop, trainer.precision_plugin.val_step_context()),
-    ):
-        warning = start.learn(pl_module)
-    if warning is not None:
-        rank_zero_warn(warning)
 
 
 def _attributes_copied(original: Any, copy_of_it: Any, copied_along: Callable[[Any], Any]) -> Any:
@@ -630,14 +622,13 @@ class HeldOutProbe:
         self._unavailable = False
         self.unlogged: set[str] = set()  # the names validation_step logged with `logger=False` this fit
         self.uncopied: set[type] = set()  # the batch classes found not to copy (said once each)
-        # the carried state the module's validation starts from, set at every probe (learnt at the first)
-        self.start = ValidationStart(owner, off_switch)
+        self._reset_noted = False  # the note of a module that resets carried state for validation: once a fit
 
     def reset(self) -> None:
         """Take the batches again at the next run (a new fit may have new validation data)."""
         self._data = None
         self.unlogged = set()
-        self.start.reset()
+        self._reset_noted = False
 
     def for_loggers(self, figures: Mapping[str, float], prefix: str) -> dict[str, float]:
         """``figures`` as sent to the loggers, each name after ``prefix``: without those the module logged
@@ -693,13 +684,15 @@ class HeldOutProbe:
             rank_zero_warn(f"{self.owner}: no validation dataloader or `validation_step`; {self.what_stops}.")
             self._unavailable = True
             return None
-        return run_validation_probe(
-            trainer,
-            pl_module,
-            self._data,
-            self._several,
-            self.unlogged,
-            self.owner,
-            self.uncopied,
-            self.start,
-        )
+        if not self._reset_noted:
+            self._reset_noted = True
+            if (note := state_reset_note(pl_module, self.owner, self.off_switch)) is not None:
+                rank_zero_warn(note)
+        try:
+            return run_validation_probe(
+                trainer, pl_module, self._data, self._several, self.unlogged, self.owner, self.uncopied, True
+            )
+        except ProbeFailed as failed:  # a measurement never ends a run: said, and off for this fit
+            rank_zero_warn(failed.message(self.owner, self.off_switch))
+            self._unavailable = True
+            return None
