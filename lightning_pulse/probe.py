@@ -39,8 +39,6 @@ from lightning_pulse.loggers import log_to_loggers
 #: the tensors the probes of this process handed to a collective (see ``compat.CollectiveHold``); the callbacks
 #: that run a probe wait for them at teardown
 PROBE_COLLECTIVES = compat.CollectiveHold()
-#: the off switch a probe run with no callback's own names (:func:`run_validation_probe`): PulseCycle's
-PROBE_OFF = 'maintain_eval="none"'
 #: what gets a batch StabilityGuard could not copy (:func:`batch_copy`)
 RERUN = "the re-run of the flagged step's `training_step`"
 
@@ -354,9 +352,8 @@ def batch_copy(
         if isinstance(value, (dict, collections.UserDict, list, tuple)):
             try:  # of its class and with its attributes, as Lightning hands it over (a BatchEncoding's encodings)
                 result = entries_replaced(value, copied_along)
-            except (
-                Exception
-            ):  # a class that refuses a shallow copy: built again from its entries, or as others
+            except Exception:
+                # a class that refuses a shallow copy: built again from its entries, or copied as others are
                 try:
                     return rebuilt(value, copied_along)
                 except Exception:

@@ -175,19 +175,16 @@ _METADATA = frozenset(
 
 
 class _ReadWatch(TorchFunctionMode):
-    """Notes which of the watched tensors any torch function (or tensor method) receives. ``looks``: a look at
-    a tensor's shape or type counts too (an LSTM checks its hidden state's shape, and raises, before it reads
-    a value)."""
+    """Notes which of the watched tensors any torch function (or tensor method) receives."""
 
-    def __init__(self, watched: set[int], looks: bool = False) -> None:
+    def __init__(self, watched: set[int]) -> None:
         super().__init__()
         self.watched = watched
-        self.looks = looks
         self.read: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func in _METADATA and not self.looks:  # a look at its shape or type carries none of its values
+        if func in _METADATA:  # a look at its shape or type carries none of its values
             return func(*args, **kwargs)
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, Tensor) and id(leaf) in self.watched:
