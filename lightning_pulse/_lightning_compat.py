@@ -854,6 +854,9 @@ def rewrap_ddp(trainer: pl.Trainer) -> bool:
     if not isinstance(strategy, DDPStrategy) or not isinstance(strategy.model, DistributedDataParallel):
         return False
     module, hooks = strategy.lightning_module, list(getattr(strategy.model, "_comm_hooks", None) or ())
+    # the old wrapper's reducer may leave tensors with gloo's threads: the group goes while Python is whole (a
+    # PowerSGD run with no probe, so no held collective to register it, aborted once at exit in a busy CI)
+    destroy_process_group_at_exit()
     forget_comm_hook_memory(trainer, new_buckets=True)  # sized and keyed for the old wrapper's buckets
     with trainable_while(module, temporarily_frozen(trainer, module)):
         strategy.model = strategy._setup_model(module)
