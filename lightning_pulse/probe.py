@@ -225,18 +225,6 @@ def run_validation_probe(
         for name, value in dictionary.items():
             capture(name, value, **shared)
 
-    def prepared(index: int) -> Any:
-        # a copy: a module that transforms its batch in place (`batch["x"] = transforms(batch["x"])` in
-        # on_before_batch_transfer, an in-place op on CPU) leaves the kept batch as it came
-        batch = batch_copy(batches[index], owner, "the probe's `validation_step`", uncopied)
-        return compat.prepare_evaluation_batch(trainer, pl_module, batch)
-
-    def validation_step(batch: Any, index: int) -> None:
-        if several:
-            pl_module.validation_step(batch, index, 0)
-        else:
-            pl_module.validation_step(batch, index)
-
     modes = {module: module.training for module in pl_module.modules()}
     pl_module.eval()
     error: Exception | None = None
@@ -245,10 +233,16 @@ def run_validation_probe(
             kept_buffers(pl_module),
             outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()),
         ):
-            for index in range(len(batches)):
-                batch = prepared(index)
+            for index, batch in enumerate(batches):
+                # a copy: a module that transforms its batch in place (`batch["x"] = transforms(batch["x"])`
+                # in on_before_batch_transfer, an in-place op on CPU) leaves the kept batch as it came
+                batch = batch_copy(batch, owner, "the probe's `validation_step`", uncopied)
+                batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
                 inferred_size = None
-                validation_step(batch, index)
+                if several:
+                    pl_module.validation_step(batch, index, 0)
+                else:
+                    pl_module.validation_step(batch, index)
             # inside: the metrics' states are the probe's until outside_the_loop restores them
             for name, metric in metrics.items():
                 value = metric.compute()
