@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import math
 import numbers
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -107,8 +110,55 @@ def names_itself(init: Callable[..., None]) -> Callable[..., None]:
             if text.startswith(name):
                 raise
             raise ValueError(f"{name}: {text}") from None
+        except OverflowError:  # float(10**400) in a check: a bare "int too large to convert to float"
+            if (field := _beyond_float_range(init, self, args, kwargs)) is None:
+                raise
+            name = type(self).__name__
+            beyond = f"{name}: `{field}` is an integer beyond the range of a float ({FLOAT_RANGE})"
+            allowed = _check_as_infinity(init, self, args, kwargs, field)
+            raise ValueError(beyond + (f"; as inf: {allowed}" if allowed else ".")) from None
 
     return checked
+
+
+def _beyond_float_range(init: Callable[..., None], owner: Any, args: tuple, kwargs: dict) -> str | None:
+    """The name of the first argument of ``init`` (a config dataclass's field, for a ``__post_init__``) that is
+    an integer too large for a float, or ``None``."""
+    if init.__name__ == "__post_init__":
+        return next((field for field, value in vars(owner).items() if too_large_for_float(value)), None)
+    try:
+        named = inspect.signature(init).bind(owner, *args, **kwargs).arguments
+    except TypeError:
+        return None
+    return next((field for field, value in named.items() if too_large_for_float(value)), None)
+
+
+#: how an integer beyond the float range is told: what a float-valued argument can hold
+FLOAT_RANGE = f"at most {sys.float_info.max:.4g}"
+
+
+def too_large_for_float(value: Any) -> bool:
+    """Whether ``value`` is an integer that a check's ``float(value)`` would meet with ``OverflowError``."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max
+
+
+def _check_as_infinity(init: Callable[..., None], owner: Any, args: tuple, kwargs: dict, field: str) -> str:
+    """What the argument checks say of ``field`` given as an infinity of its sign: the range they allow
+    (``"`replay_fraction`=inf must be a number in (0, 1]."``), or ``""`` where they accept it or say something
+    else."""
+    try:
+        if init.__name__ == "__post_init__":
+            object.__setattr__(owner, field, math.inf if getattr(owner, field) > 0 else -math.inf)
+            init(owner)
+        else:
+            bound = inspect.signature(init).bind(owner, *args, **kwargs)
+            bound.arguments[field] = math.inf if bound.arguments[field] > 0 else -math.inf
+            init(*bound.args, **bound.kwargs)
+    except ValueError as error:
+        return str(error).removeprefix(f"{type(owner).__name__}: ") if field in str(error) else ""
+    except Exception:
+        return ""
+    return ""
 
 
 def plain_number(value: Any) -> Any:

@@ -825,3 +825,46 @@ def test_unit_names_from_a_generator_and_the_most_snapshots_python_holds_train(m
         "net.2",
         "net.4",
     ]
+
+
+_EVERY_CALLBACK = (
+    PulseCycle,
+    HardSampleReplay,
+    GradientCache,
+    ScheduledPrune,
+    EnergyLogger,
+    StabilityGuard,
+    GreenWindow,
+)
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["positive", "negative"])
+def test_an_integer_beyond_the_float_range_is_refused_naming_the_field_and_the_range_allowed(sign):
+    # a float argument given 10**400 raised Python's bare "int too large to convert to float", naming nothing
+    import inspect
+
+    refused = []
+    for callback in _EVERY_CALLBACK:
+        for field in list(inspect.signature(callback).parameters):
+            try:
+                callback(**{field: sign * 10**400})
+            except OverflowError as error:
+                pytest.fail(f"{callback.__name__}(`{field}`=10**400): bare {error!r}")
+            except ValueError as error:
+                if "beyond the range of a float" in str(error):
+                    refused.append(str(error))
+            except (TypeError, PulseRefusal):
+                pass
+    assert len(refused) >= 12  # every float argument of the callbacks
+    infinity = "inf" if sign > 0 else "-inf"
+    assert (
+        "HardSampleReplay: `replay_fraction` is an integer beyond the range of a float (at most 1.798e+308); "
+        f"as inf: `replay_fraction`={infinity} must be a number in (0, 1]." in refused
+    )
+    for nested, match in [
+        (lambda: EnergyLogger(meters={"cpu_watts": sign * 10**400}), r"^EnergyLogger: `meters.cpu_watts` is"),
+        (lambda: DistillConfig(temperature=sign * 10**400), r"^DistillConfig: `temperature` is an integer"),
+        (lambda: PruneOptions(initial_sparsity=sign * 10**400), r"^PruneOptions: `initial_sparsity` is an"),
+    ]:
+        with pytest.raises(ValueError, match=match + ".*beyond the range of a float"):
+            nested()

@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_pulse.energy.codecarbon_meter import TRACKING_MODES
 from lightning_pulse.energy.rapl import DEFAULT_POWERCAP_ROOT
-from lightning_pulse.errors import plain_fields
+from lightning_pulse.errors import FLOAT_RANGE, plain_fields, too_large_for_float
 
 
 class _EnergyLoggerConfig:
@@ -32,6 +32,14 @@ class _EnergyLoggerConfig:
             self._validate()
         except ValueError as error:
             raise ValueError(prefixed(str(error))) from None
+        except OverflowError:  # an integer beyond the float range: name it, not Python's bare message
+            nested = "meters" if isinstance(self, MeterConfig) else "accounting"
+            field = next((name for name, value in vars(self).items() if too_large_for_float(value)), None)
+            if field is None:
+                raise
+            raise ValueError(
+                prefixed(f"`{nested}.{field}` is an integer beyond the range of a float ({FLOAT_RANGE}).")
+            ) from None
 
     def _validate(self) -> None:
         raise NotImplementedError
