@@ -76,6 +76,29 @@ def test_take_samples_keeps_a_defaultdicts_factory_and_an_ordered_dicts_type_and
     assert tagged["x"].shape == (4,)
 
 
+def test_take_samples_keeps_a_list_or_tuple_subclasss_attributes():
+    # the cut rebuilt a list or tuple subclass from its items: what it carried beside them was dropped
+    class TaggedList(list):
+        pass
+
+    class TaggedTuple(tuple):
+        __slots__ = ()  # no __dict__: nothing to keep, and nothing to fail on
+
+    class SourcedTuple(tuple):
+        pass
+
+    for batch in (
+        TaggedList([torch.arange(4.0), torch.arange(4)]),
+        SourcedTuple((torch.arange(4.0), torch.arange(4))),
+    ):
+        batch.source = "shard-3"
+        cut = take_samples(batch, torch.tensor([3, 1]), 4)
+        assert type(cut) is type(batch) and cut.source == "shard-3"
+        assert cut[0].tolist() == [3.0, 1.0] and cut[1].tolist() == [3, 1] and batch[0].shape == (4,)
+    slotted = take_samples(TaggedTuple((torch.arange(4.0),)), torch.tensor([2]), 4)
+    assert type(slotted) is TaggedTuple and slotted[0].tolist() == [2.0]
+
+
 def test_take_samples_cuts_a_batch_encodings_per_sample_encodings_with_its_rows():
     from transformers import BatchEncoding
 

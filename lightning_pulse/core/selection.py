@@ -347,8 +347,14 @@ def take_samples(
             return dict(zip(batch.keys(), parts))
         if isinstance(batch, Mapping):
             return _rebuilt_mapping(batch, parts, positions, batch_size)
-        if isinstance(batch, (list, tuple)):
+        if type(batch) in (list, tuple) or (isinstance(batch, tuple) and hasattr(batch, "_fields")):
             return _rebuild(batch, parts)
+        if isinstance(batch, (list, tuple)):  # a subclass: its instance attributes kept, as a dict subclass's
+            cut = iter(parts)
+            try:
+                return entries_replaced(batch, lambda _: next(cut))
+            except Exception:  # a class that will not be copied shallowly: built again from its parts
+                return _rebuild(batch, parts)
         return _rebuilt_dataclass(batch, parts)
     return batch
 
