@@ -989,11 +989,7 @@ def refuse_conv1d(
         cls.__name__ if getattr(nn, cls.__name__, None) is cls else f"{cls.__module__}.{cls.__qualname__}"
         for cls in types
     ]
-    narrowed = pruning.Pruner(
-        "structured", types, pruner.exclude_pattern, pruner.ranking, pruner.min_channels
-    )
-    narrowed.user_frozen, narrowed.run_precision = pruner.user_frozen, pruner.run_precision
-    narrowed.not_trained = dict(pruner.not_trained)
+    narrowed = pruner.for_trial(layer_types=types)
     with kept_python_state(model), kept_carried_state(model):  # the user's hooks run on the check's copies
         without = pruning.check_structured(model, narrowed, targets, example)
     if without is None:

@@ -1582,10 +1582,7 @@ def _min_channels_floor(
         graph = build_dependency_graph(duplicate, as_traced(example), pruner.run_precision)
     except Exception:  # only a message needs this: the trial cut above traced the same model
         return None
-    trial = Pruner(
-        "structured", pruner.layer_types or None, pruner.exclude_pattern, pruner.ranking, pruner.min_channels
-    )
-    trial.user_frozen = pruner.user_frozen  # the trial cut's selection: user-frozen layers stay out
+    trial = pruner.for_trial()  # the trial cut's selection: user-frozen layers stay out
     groups = channel_groups(graph, duplicate, trial.layers(duplicate), pruner.user_frozen)
     if not groups:
         return None
@@ -1751,10 +1748,8 @@ def _trial_cut(
     and the user-frozen layers ``frozen`` (``None``: the pruner's): why the cut is not safe (or ``None``), and
     the module of ``model`` a failing call broke in (or ``None``)."""
     # the events' selection: `()` goes back to the `None` it was resolved from; user-frozen layers stay out
-    floor = pruner.min_channels if min_channels is None else min_channels
-    trial = Pruner("structured", pruner.layer_types or None, exclude_pattern, pruner.ranking, floor)
+    trial = pruner.for_trial(exclude_pattern=exclude_pattern, min_channels=min_channels)
     trial.user_frozen = pruner.user_frozen if frozen is None else frozen
-    trial.run_precision = pruner.run_precision
     trial.example_inputs = as_traced(example)  # as given: the caller chose its size (small_example)
     duplicate = copy_without_hooks(
         model, keep_user_hooks=True
@@ -3032,6 +3027,28 @@ class Pruner:
         #: (:class:`~lightning_pulse.core.prune_targets.OwnWeightWatch`)
         self.not_trained: dict[str, str] = {}
         self.run_precision: RunPrecision | None = None
+
+    def for_trial(
+        self,
+        layer_types: Sequence[str | type] | None = None,
+        exclude_pattern: Any = ...,  # ...: this pruner's (None is a pattern given: none)
+        min_channels: int | None = None,
+    ) -> Pruner:
+        """A structured pruner for a trial cut on a copy: this one's layer types, ``exclude_pattern`` and
+        ``min_channels`` unless given, its ranking, and the run's layers it leaves alone (user-frozen, not
+        trained) and precision; none of its history."""
+        trial = Pruner(
+            "structured",
+            layer_types
+            if layer_types is not None
+            else self.layer_types or None,  # `()` was resolved from None
+            self.exclude_pattern if exclude_pattern is ... else exclude_pattern,
+            self.ranking,
+            self.min_channels if min_channels is None else min_channels,
+        )
+        trial.user_frozen, trial.run_precision = self.user_frozen, self.run_precision
+        trial.not_trained = dict(self.not_trained)
+        return trial
 
     def selection(self, model: nn.Module) -> LayerSelection:
         """The layers of ``model`` this pruner prunes, and those it leaves out with the reason."""
