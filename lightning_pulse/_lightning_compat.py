@@ -629,24 +629,44 @@ class CollectiveHold:
 
 
 _DESTROY_REGISTERED = False
+# a worker releasing a step needs the GIL for a moment; this bounds the exit's delay where the group is kept
+_EXIT_WAIT_S = 2.0
 
 
 def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group in an ``atexit`` handler, while Python is still whole.
+    """Destroy the default process group in an ``atexit`` handler, while Python is still whole, its backend's
+    threads joined on the exiting thread.
 
-    Lightning registers this for NCCL only; a gloo group is otherwise torn down during interpreter
+    Lightning registers the destruction for NCCL only; a gloo group is otherwise torn down during interpreter
     finalization, when a backend thread that still has to give a tensor back to Python can only end with
-    ``std::terminate`` (see :class:`CollectiveHold`). Registered once per process, on the first use.
+    ``std::terminate`` (see :class:`CollectiveHold`). Destroying it is not enough where a gloo worker is still
+    releasing a step's collective: a communication hook's Python callbacks (PowerSGD's ``then`` chain) hold the
+    group, so it outlived the handler and the worker, resumed during finalization, aborted the rank; or the
+    worker dropped the group's last reference itself and its destruction joined that very thread
+    ("Resource deadlock avoided"). The handler therefore holds the group and yields the GIL until no one else
+    does (at most ``_EXIT_WAIT_S``), then drops it here. Registered once per process, on the first use.
     """
     global _DESTROY_REGISTERED
     if _DESTROY_REGISTERED or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
     import atexit
 
+    atexit.register(_destroy_process_group_and_wait)
+    _DESTROY_REGISTERED = True
+
+
+def _destroy_process_group_and_wait() -> None:
+    import sys
+
     from lightning.fabric.utilities.distributed import _destroy_dist_connection
 
-    atexit.register(_destroy_dist_connection)
-    _DESTROY_REGISTERED = True
+    group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+    _destroy_dist_connection()
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    # 2: ``group`` and getrefcount's argument; a sleep, not a timed wait: it releases the GIL to the worker
+    while group is not None and sys.getrefcount(group) > 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    del group  # the last reference, mostly: the group's destruction joins gloo's workers on this thread
 
 
 def reduce_held(strategy: Any, tensor: torch.Tensor, reduce_op: str, hold: CollectiveHold) -> torch.Tensor:
@@ -854,8 +874,9 @@ def rewrap_ddp(trainer: pl.Trainer) -> bool:
     if not isinstance(strategy, DDPStrategy) or not isinstance(strategy.model, DistributedDataParallel):
         return False
     module, hooks = strategy.lightning_module, list(getattr(strategy.model, "_comm_hooks", None) or ())
-    # the old wrapper's reducer may leave tensors with gloo's threads: the group goes while Python is whole (a
-    # PowerSGD run with no probe, so no held collective to register it, aborted once at exit in a busy CI)
+    # the hook's last step may still be released by gloo's threads at exit: the group goes, and they end,
+    # while Python is whole (a PowerSGD run with no probe, so no held collective to register it, aborted at
+    # exit under load)
     destroy_process_group_at_exit()
     forget_comm_hook_memory(trainer, new_buckets=True)  # sized and keyed for the old wrapper's buckets
     with trainable_while(module, temporarily_frozen(trainer, module)):
