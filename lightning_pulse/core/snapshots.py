@@ -15,8 +15,8 @@ import copy
 import operator
 import sys
 import warnings
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections import ChainMap, OrderedDict, deque
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
@@ -39,33 +39,103 @@ _IMMUTABLE = (int, float, bool, complex, str, bytes, type(None), torch.dtype, to
 _IMMUTABLE_TYPES = frozenset(_IMMUTABLE)
 
 
-def copy_to_cpu(obj: Any, into: Any = None) -> Any:
+def view_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors one and the same view of memory: device, storage, offset, shape, strides, dtype
+    and the conjugate/negative bits; ``None`` for a tensor with no storage to compare (empty, meta, sparse,
+    quantised, nested, a subclass). ``model.state_dict()`` lists a tied weight (GPT-2's ``wte`` and
+    ``lm_head``) under each of its names as two such views."""
+    if (
+        type(tensor) not in (torch.Tensor, nn.Parameter)
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.is_nested
+    ):
+        return None
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a storage that cannot be read (a functional tensor's)
+        return None
+    if pointer == 0:  # no memory to share: an empty tensor, a meta one
+        return None
+    return (
+        tensor.device,
+        pointer,
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
+        tensor.is_conj(),
+        tensor.is_neg(),
+    )
+
+
+class CopyMemo:
+    """The copies one snapshot made so far, so that a tensor reached again (a tied weight under its second
+    name) gets the same copy, and the earlier copies refilled so far, so that one two names shared in the
+    snapshot recycled is refilled for one of them only (the tie may have been undone since).
+
+    Attributes:
+        made: by :func:`view_key` of the source, ``(source, copy)``: the source is kept so that its memory, if
+            it was a temporary (a callback's ``state_dict`` of clones), is not reused by a later tensor
+            while the memo lives.
+        refilled: the ids of the earlier copies refilled in place.
+    """
+
+    def __init__(
+        self, made: MutableMapping[Any, Any] | None = None, refilled: set[int] | None = None
+    ) -> None:
+        self.made = {} if made is None else made
+        self.refilled = set() if refilled is None else refilled
+
+    def scoped(self) -> CopyMemo:
+        """A memo that finds this one's copies but keeps its own new ones to itself: for a state whose
+        temporaries should be freed once it is copied (one callback's, then the next's)."""
+        return CopyMemo(ChainMap({}, self.made), self.refilled)
+
+
+def copy_to_cpu(obj: Any, into: Any = None, memo: CopyMemo | None = None) -> Any:
     """A deep copy of ``obj`` in which every tensor is a detached CPU copy (containers are rebuilt).
+
+    Views of the same memory (:func:`view_key`: a tied weight under two ``state_dict`` names) share one copy,
+    as ``torch.save`` keeps them shared. Views that overlap otherwise (a weight and a slice of it) are copied
+    apart.
 
     Args:
         obj: nested dicts, lists and tuples of tensors and plain values (a ``state_dict``).
         into: an earlier copy of an object of the same structure whose tensors may be overwritten: a tensor
             of the same shape and dtype is refilled with ``copy_`` instead of allocating a new one, so a
             ring of snapshots recycles its buffers (no fresh pages to fault in, no allocator churn).
+        memo: the copies already made for the same snapshot (:class:`CopyMemo`), to share them across calls;
+            ``None``: shared within ``obj`` only.
     """
+    memo = CopyMemo() if memo is None else memo
     if isinstance(obj, torch.Tensor):
         source = obj.detach()
+        key = view_key(source)
+        if key is not None and key in memo.made:
+            return memo.made[key][1]
         if (
             isinstance(into, torch.Tensor)
+            and id(into) not in memo.refilled
             and into.device.type == "cpu"
             and into.shape == source.shape
             and into.dtype == source.dtype
             and into.layout == source.layout == torch.strided
         ):
-            return into.copy_(source)
-        return source.to("cpu", copy=True)
+            memo.refilled.add(id(into))
+            copied = into.copy_(source)
+        else:
+            copied = source.to("cpu", copy=True)
+        if key is not None:
+            memo.made[key] = (source, copied)
+        return copied
     if isinstance(obj, _IMMUTABLE):
         return obj
     if isinstance(obj, dict):
         copied = type(obj)() if type(obj) in (dict, OrderedDict) else {}
         previous = into if isinstance(into, dict) else {}
         for key, value in obj.items():
-            copied[key] = copy_to_cpu(value, previous.get(key))
+            copied[key] = copy_to_cpu(value, previous.get(key), memo)
         # nn.Module.state_dict() carries per-module versions here, which load_state_dict reads
         if hasattr(obj, "_metadata"):
             copied._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
@@ -76,7 +146,7 @@ def copy_to_cpu(obj: Any, into: Any = None) -> Any:
             # element
             return list(obj) if isinstance(obj, list) else tuple(obj)
         previous = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
-        items = [copy_to_cpu(value, old) for value, old in zip(obj, previous)]
+        items = [copy_to_cpu(value, old, memo) for value, old in zip(obj, previous)]
         return items if isinstance(obj, list) else tuple(items)
     return copy.deepcopy(obj)
 
@@ -116,31 +186,45 @@ def uncopyable_part(obj: Any, path: str = "") -> tuple[str, str] | None:
     return None
 
 
-def copy_states(states: Mapping[str, Stateful] | None, into: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`copy_to_cpu` of each ``state_dict()`` of ``states``, by key (``into``: an earlier copy).
+def copy_states(
+    states: Mapping[str, Stateful] | None, into: Mapping[str, Any], memo: CopyMemo | None = None
+) -> dict[str, Any]:
+    """:func:`copy_to_cpu` of each ``state_dict()`` of ``states``, by key (``into``: an earlier copy; ``memo``:
+    the copies the snapshot made already, which a state holding the same tensors shares).
 
     Raises:
         StateCopyError: naming the one whose state cannot be copied, and where in it.
     """
     copied = {}
+    memo = CopyMemo() if memo is None else memo
     for key, stateful in (states or {}).items():
         state = stateful.state_dict()
         try:
-            copied[key] = copy_to_cpu(state, into.get(key))
+            # scoped: the memo would keep this state's temporaries (clones on the accelerator) alive until
+            # every other state is copied
+            copied[key] = copy_to_cpu(state, into.get(key), memo.scoped())
         except Exception as error:  # deepcopy's: a TypeError for a lock, copy.Error, a class's own
             raise StateCopyError(key, stateful, uncopyable_part(state), error) from error
     return copied
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes held by the tensors inside ``obj`` (nested dicts, lists and tuples)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, Mapping):
-        return sum(tensor_bytes(value) for value in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(value) for value in obj)
-    return 0
+    """Bytes held by the tensors inside ``obj`` (nested dicts, lists and tuples). Views of the same memory
+    (:func:`view_key`: a tied weight's one copy under two names) count once."""
+    sizes: dict[Any, int] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            sizes[view_key(value) or id(value)] = value.numel() * value.element_size()
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(obj)
+    return sum(sizes.values())
 
 
 def nonfinite_tensors(
@@ -592,18 +676,19 @@ def take_snapshot(
     states = [optimizer.state_dict() for optimizer in optimizers]
     inner = [states_within(optimizer, state) for optimizer, state in zip(optimizers, states)]
     held = inner_optimizers(optimizers)
+    memo = CopyMemo()  # one copy per tensor across the whole snapshot: a tied weight is copied once
     return TrainingSnapshot(
         step=int(step),
-        model=copy_to_cpu(state, old.model),
-        buffers=copy_to_cpu(non_persistent_buffers(model, state), old.buffers),
-        optimizers=copy_to_cpu(states, old.optimizers),
-        inner_optimizers=copy_to_cpu(inner, old.inner_optimizers),
+        model=copy_to_cpu(state, old.model, memo),
+        buffers=copy_to_cpu(non_persistent_buffers(model, state), old.buffers, memo),
+        optimizers=copy_to_cpu(states, old.optimizers, memo),
+        inner_optimizers=copy_to_cpu(inner, old.inner_optimizers, memo),
         inner_layout=optimizer_layout(held),
         optimizer_kinds=optimizer_kinds(optimizers),
         inner_kinds=optimizer_kinds(held),
-        schedulers=copy_to_cpu([scheduler.state_dict() for scheduler in schedulers], old.schedulers),
-        callbacks=copy_states(callbacks, old.callbacks),
-        extra=copy_to_cpu(dict(extra or {})),
+        schedulers=copy_to_cpu([scheduler.state_dict() for scheduler in schedulers], old.schedulers, memo),
+        callbacks=copy_states(callbacks, old.callbacks, memo),
+        extra=copy_to_cpu(dict(extra or {}), memo=memo),
         scheduler_kinds=scheduler_kinds(schedulers),
         layout=layout,
         parameter_ids=optimizer_parameter_ids(optimizers),
