@@ -6,14 +6,17 @@ doesn't have storage")."""
 
 from __future__ import annotations
 
+import copy
+
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, jacrev, vmap
+from torch.func import functional_call, grad, jacrev, stack_module_state, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pulse import ScheduledPrune
+from lightning_pulse import PulseRefusal, ScheduledPrune
 from lightning_pulse.core.func_transforms import unwrapped
 from tests.conftest import trainer_kwargs
 
@@ -147,3 +150,42 @@ def test_a_max_norm_write_after_a_jacrev_call_holds_on_the_masked_layer(tmp_path
     assert not any(model.wrapped_after_step)
     assert largest <= model.LIMIT + 1e-5
     assert float((model.net[0].weight == 0).float().mean()) >= 0.45  # the mask held under the write
+
+
+class _StackedEnsemble(pl.LightningModule):
+    """torch.func's model ensembling: the members' weights stacked (``stack_module_state``) as parameters of the
+    module, read through ``vmap(functional_call(base, ...))`` with the base module on 'meta', outside the
+    module tree: no layer holds a weight that trains."""
+
+    def __init__(self, members: int = 3) -> None:
+        super().__init__()
+        nets = [nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3)) for _ in range(members)]
+        stacked, _ = stack_module_state(nets)
+        self.names = list(stacked)
+        self.stacked = nn.ParameterList([nn.Parameter(stacked[name]) for name in self.names])
+        self.base = [copy.deepcopy(nets[0]).to("meta")]
+
+    def forward(self, x):
+        params = dict(zip(self.names, self.stacked))
+        return vmap(lambda p, xx: functional_call(self.base[0], p, (xx,)), in_dims=(0, None))(params, x).mean(
+            0
+        )
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("mode", ["unstructured", "structured"])
+def test_a_stacked_ensemble_is_refused_saying_no_layer_types_can_help_and_what_does(tmp_path, mode):
+    """A held-out sweep: the refusal said "Choose other `layer_types`", which no value can satisfy."""
+    prune = ScheduledPrune(final_sparsity=0.5, mode=mode, probe_batches=0)
+    trainer = pl.Trainer(max_steps=2, callbacks=[prune], **trainer_kwargs(default_root_dir=tmp_path))
+    with pytest.raises(PulseRefusal) as refused:
+        trainer.fit(_StackedEnsemble(), _data())
+    message = str(refused.value)
+    assert "No other `layer_types` can help, nor the other `mode`" in message
+    assert "`stacked.0`" in message and "Choose other" not in message
+    assert "hold the weights in layers" in message and "remove ScheduledPrune" in message

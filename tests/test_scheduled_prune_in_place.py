@@ -152,6 +152,51 @@ def test_a_wrapper_optimizers_inner_state_is_cut_too(tmp_path):
     assert state["optimizer_states"]
 
 
+class OptimizerInBackward(Net):
+    """torch's optimizer-in-backward recipe: an Adam per parameter, held by the module in a dict and stepped by
+    a post-accumulate-grad hook; the Trainer's optimizer (lr=0) only counts the steps."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda parameters: torch.optim.SGD(parameters, lr=0.0))
+        self.automatic_optimization = False
+        self.opts = {p: torch.optim.Adam([p], lr=0.01) for p in self.parameters()}
+        for parameter in self.parameters():
+            parameter.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, parameter):
+        self.opts[parameter].step()
+        self.opts[parameter].zero_grad()
+
+    def training_step(self, batch, batch_idx):
+        self.manual_backward(super().training_step(batch, batch_idx))
+        self.optimizers().step()
+
+
+def test_the_modules_own_optimizers_are_cut_too(tmp_path):
+    """A held-out sweep: the module's own per-parameter Adams kept their moments at the uncut shapes, and the
+    first backward after the first cut raised torch's size mismatch inside the hook, naming no callback."""
+    model = OptimizerInBackward()
+    moved: list[bool] = []
+
+    class Moves(Callback):
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            self.before = pl_module.fc1.weight.detach().clone()
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            weight = pl_module.fc1.weight
+            moved.append(weight.shape == self.before.shape and not torch.equal(weight, self.before))
+
+    prune = _prune()
+    pl.Trainer(max_steps=10, callbacks=[prune, Moves()], **trainer_kwargs(default_root_dir=tmp_path)).fit(
+        model, _data()
+    )
+    assert len(prune.events) >= 2 and model.fc1.out_features < 32
+    for parameter, optimizer in model.opts.items():
+        assert optimizer.param_groups[0]["params"][0] is parameter
+        assert optimizer.state[parameter]["exp_avg"].shape == parameter.shape
+    assert moved[-3:] == [True] * 3  # the hooks kept stepping the cut weights
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     torch.distributed.init_process_group(

@@ -238,3 +238,34 @@ def test_a_parametrized_layer_that_keeps_every_group_from_being_cut_is_named():
         r"parametrization.*remove_parametrizations",
     ):
         _fit(module, _prune())
+
+
+class _KeepsCounts(_Mlp):
+    """A forward hook counting its calls in a buffer (as a hook-kept running statistic is) and in a number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("hook_calls", torch.zeros((), dtype=torch.long))
+        self.calls = 0
+        self.net[1].register_forward_hook(self._count)
+
+    def _count(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.hook_calls += 1
+        self.calls += 1
+
+
+def test_the_events_and_the_replays_traces_leave_what_the_users_hooks_keep_as_it_was(tmp_path):
+    """A held-out sweep: each event's trace of the live model ran the author's hooks and kept what they wrote
+    (21 calls counted for 16 steps, one more per event), while the fit-start check gave it back; the replay of
+    a checkpoint's cuts traces the module it loads into as well."""
+    module, prune = _KeepsCounts(), _prune()
+    counter = _StepCounter()
+    trainer = pl.Trainer(
+        **trainer_kwargs(max_steps=STEPS, callbacks=[prune, counter], default_root_dir=tmp_path)
+    )
+    trainer.fit(module, _Data())
+    assert len(prune.events) >= 3 and _widths(module)[:2] == [24, 24]
+    assert module.calls == int(module.hook_calls) == counter.steps == STEPS
+    trainer.save_checkpoint(tmp_path / "cut.ckpt")
+    fresh = pruning.load_pruned(_KeepsCounts(), tmp_path / "cut.ckpt")
+    assert _widths(fresh) == _widths(module) and fresh.calls == 0

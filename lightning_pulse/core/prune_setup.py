@@ -321,11 +321,36 @@ def checked_selection(pruner: pruning.Pruner, model: nn.Module) -> LayerSelectio
             raise PulseRefusal(
                 f"ScheduledPrune: {chosen}.{left_out_note(selection)}{weightless}{embeddings} {computed}"
             )
+        if (layerless := _layerless_way_out(pruner, model)) is not None:
+            raise PulseRefusal(f"ScheduledPrune: {chosen}. {layerless}")
         raise PulseRefusal(
             f"ScheduledPrune: {chosen}.{left_out_note(selection)}{weightless}{embeddings} Choose other "
             "`layer_types` or remove ScheduledPrune."
         )
     return selection
+
+
+def _layerless_way_out(pruner: pruning.Pruner, model: nn.Module) -> str | None:
+    """Where no module of any type in ``model`` holds a weight either mode could prune, while parameters
+    train: that no ``layer_types`` (nor the other mode) can help, the parameters that train, and what works.
+    ``None`` otherwise. A torch.func ensemble (``stack_module_state``: the members' weights stacked as
+    ``nn.Parameter`` on the module and read through ``vmap(functional_call(base, ...))``, the base module kept
+    outside the module tree) was told to "choose other `layer_types`", which no value can satisfy."""
+    trained = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
+    every = [
+        prune_targets.select_targets(model, (), None, structured, (), pruner.not_trained)
+        for structured in (False, True)
+    ]
+    if not trained or any(selection.layers or selection.left_out for selection in every):
+        return None
+    return (
+        f"No other `layer_types` can help, nor the other `mode`: no module of any type holds the parameters "
+        f"that train ({_some_names(trained)}), which are held outside any layer (stacked for torch.func's "
+        "`vmap(functional_call(...))`, as `stack_module_state` gives them, or used by the module's own "
+        "`forward`), and ScheduledPrune prunes a layer's own `weight` only, in either mode. Way out: hold "
+        "the weights in layers that the forward calls (the members as `nn.Linear` layers in an "
+        "`nn.ModuleList`, each called in turn) or remove ScheduledPrune."
+    )
 
 
 def _computed_way_out(pruner: pruning.Pruner, model: nn.Module, selection: LayerSelection) -> str | None:

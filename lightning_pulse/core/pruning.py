@@ -39,7 +39,13 @@ from torch.nn.utils import prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from lightning_pulse.core import prune_targets, prune_widths, user_hooks
-from lightning_pulse.core.carried_state import WEIGHT_HOOKS, hook_weight_name, kept_buffers
+from lightning_pulse.core.carried_state import (
+    WEIGHT_HOOKS,
+    hook_weight_name,
+    kept_buffers,
+    kept_carried_state,
+    kept_python_state,
+)
 from lightning_pulse.core.func_transforms import transform_active
 from lightning_pulse.core.prune_targets import LayerSelection, call_with
 from lightning_pulse.core.selection import take_samples
@@ -1159,6 +1165,23 @@ class ParameterRemap:
         return cut.clone(memory_format=prune_widths.memory_format_of(tensor))
 
 
+def module_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The torch optimizers ``model`` and its submodules hold in their attributes, or as the items of a list,
+    tuple or dict attribute: the optimizer-in-backward recipe keeps one per parameter
+    (``self.opts = {p: Adam([p]) for p in ...}``, stepped by ``register_post_accumulate_grad_hook``), which the
+    Trainer never sees. A cut must cut their state as the Trainer's optimizers': their Adam moments kept the
+    uncut shapes, and the first backward after a cut raised torch's size mismatch inside the hook."""
+    found: dict[int, torch.optim.Optimizer] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, dict):
+                value = list(value.values())
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.optim.Optimizer):
+                    found.setdefault(id(item), item)
+    return list(found.values())
+
+
 def remap_optimizer_state(
     optimizer: torch.optim.Optimizer, remap: ParameterRemap, names: Mapping[int, str] | None = None
 ) -> list[str]:
@@ -1425,6 +1448,17 @@ class StructuredResult:
     untraced: set[str] = field(default_factory=set)
 
 
+@contextmanager
+def kept_through_trace(model: nn.Module) -> Iterator[None]:
+    """Give back what a trace of the live ``model`` (:func:`build_dependency_graph`) left in it: its buffers,
+    the tensors it carries as plain attributes and its public numbers, lists and dicts, as the fit-start check
+    gives back what its trace wrote (:func:`~lightning_pulse.core.prune_setup.structured_example`). The trace
+    runs the user's hooks and the model's forward on two samples: a hook counting calls in a buffer counted one
+    more per event, and a forward keeping its output (``self.h = out.detach()``) would carry the trace's."""
+    with kept_python_state(model), kept_carried_state(model), kept_buffers(model):
+        yield
+
+
 def prune_channels(
     model: nn.Module,
     example_inputs: Any,
@@ -1442,7 +1476,8 @@ def prune_channels(
     first time are added to it (so pass the same dict on every call). ``precision``: see :func:`inputs_for`.
     ``frozen``: names of the layers the user froze; no group that would cut one of them is cut.
     """
-    graph = build_dependency_graph(model, example_inputs, precision)
+    with kept_through_trace(model):  # the live model: the cut comes after, on what the fit had
+        graph = build_dependency_graph(model, example_inputs, precision)
     blocked: dict[str, list[str]] = {}
     groups = channel_groups(graph, model, layers, frozen, blocked)
     for channel_group in groups:
@@ -1487,7 +1522,8 @@ def replay_structure(
             for name, param in module._parameters.items()
         }
         try:
-            graph = build_dependency_graph(model, example_inputs, precision)
+            with kept_through_trace(model):  # a resume replays on the live module
+                graph = build_dependency_graph(model, example_inputs, precision)
             untraced = [name for name, _, _ in entries if named.get(name) not in graph.module2node]
             if untraced:
                 return (
@@ -3198,7 +3234,7 @@ class Pruner:
         problems = []
         if len(result.remap):
             names = {id(parameter): name for name, parameter in model.named_parameters()}
-            for optimizer in optimizers_within(optimizers):
+            for optimizer in optimizers_within([*optimizers, *module_optimizers(model)]):
                 problems += remap_optimizer_state(optimizer, result.remap, names)
         # a chosen layer whose outputs were cut within another layer's group is cut, not "left uncut"
         originals = {**self.layer_channels, **self.original_channels}
