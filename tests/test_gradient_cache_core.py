@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -913,6 +915,70 @@ def test_state_dict_round_trip_continues_identically():
     assert any(r.changed for r in reports_a)
     assert freezer_a.state_dict()["stats"] == freezer_b.state_dict()["stats"]
     assert freezer_a.scores == freezer_b.scores
+
+
+class AllocationCount(TorchDispatchMode):
+    """Bytes of the tensors that the ops run under it return in storage none of their inputs has (a view or a
+    detach counts nothing, a clone or a copy to another device counts its size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in inputs:
+                self.bytes += tensor.untyped_storage().nbytes()
+        return out
+
+
+def test_state_dict_hands_out_the_held_window_snapshots_and_allocates_no_copy_of_them():
+    # a clone here was a second copy of every unit's parameters on their device (the accelerator on a GPU) at
+    # each checkpoint save and each StabilityGuard snapshot
+    model = mlp()
+    freezer = LayerFreezer(
+        traced_units(model, torch.randn(2, 40)), FreezeSettings(check_every=3, freeze_for=6)
+    )
+    drive(freezer, slowing, 4)
+    with AllocationCount() as count:
+        state = freezer.state_dict()
+    assert count.bytes == 0
+    held = [t.data_ptr() for item in freezer.snapshot for t in item]
+    assert [t.data_ptr() for item in state["snapshot"] for t in item] == held
+    state["snapshot"][0][0] = torch.zeros(1)  # the state's lists are its own: the freezer's stay
+    assert freezer.snapshot[0][0].shape == model[0].weight.shape
+
+
+def test_a_state_handed_out_keeps_its_snapshots_through_later_windows_and_restores_them():
+    # state_dict no longer copies the snapshots, so nothing may write them in place: a state a checkpoint or a
+    # rollback ring still holds must read as it was when taken, across window closes, a freeze and a release
+    model = mlp()
+    settings = FreezeSettings(threshold=0.5, check_every=5, freeze_for=10, max_frozen_share=1.0)
+    freezer = LayerFreezer(traced_units(model, torch.randn(2, 40)), settings)
+    drive(freezer, slowing, 7)
+    state = freezer.state_dict()
+    taken = [[t.clone() for t in item] for item in state["snapshot"]]
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    reports = drive(freezer, slowing, 30)
+    assert sum(r.window_closed for r in reports) == 6 and any(r.changed for r in reports)
+    for got, want in zip(state["snapshot"], taken):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+    with torch.no_grad():  # a rollback: the weights and the state of that moment
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+    freezer.load_state_dict(state)
+    restored = [t for item in freezer.snapshot for t in item]
+    assert all(torch.equal(g, w) for g, w in zip(restored, [t for item in taken for t in item]))
+    # loaded as copies: training on from the restored state leaves the state as taken (a second rollback)
+    assert not {t.data_ptr() for t in restored} & {t.data_ptr() for item in state["snapshot"] for t in item}
+    drive(freezer, slowing, 12)
+    for got, want in zip(state["snapshot"], taken):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_state_dict_of_another_model_is_refused():

@@ -71,8 +71,9 @@ class GradientCache(compat.PulseStateKey, Callback):
         release_at: nothing is frozen from this point on (same forms as ``start_at``); ``None``: never.
         units: explicit units as module or parameter names (the order is traced); ``None``: automatic split.
         activation_cache_mb: memory for replaying the frozen modules' outputs per sample, which skips the frozen
-            prefix's forward too (0: off). Needs one map-style DataLoader (worker processes are fine) and
-            samples that are the same at every visit (checked: the cache switches itself off on a mismatch).
+            prefix's forward too (0: off). It lives on each cached module's output device: accelerator memory on
+            a GPU. Needs one map-style DataLoader (worker processes are fine) and samples that are the same at
+            every visit (checked: the cache switches itself off on a mismatch).
         measure_flops: measure each frozen-prefix length's backward once with ``torch.utils.flop_counter`` and
             log the backward FLOPs skipped.
 

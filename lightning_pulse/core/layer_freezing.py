@@ -381,6 +381,8 @@ class LayerFreezer:
         self.peak_rate = [0.0] * n
         self.checking = [False] * n  # released from a freeze; the next full window is a refresh
         self.window_count = [0] * n
+        # each unit's parameters at its window's start, on their device (1x the units' parameters, for the
+        # whole fit): replaced by new tensors, never written in place, as state_dict hands these out uncopied
         self.snapshot: list[list[torch.Tensor]] = [self._clone_params(i) for i in range(n)]
         self.refreshes = 0
         self.refresh_hits = 0
@@ -916,7 +918,11 @@ class LayerFreezer:
             "used": [unit.used for unit in self.units],
             "inputs_from": [list(unit.inputs_from) for unit in self.units],
             **self._fields(),
-            "snapshot": [[t.detach().clone() for t in item] for item in self.snapshot],
+            # the held tensors, not clones (as nn.Module.state_dict): a clone was a second 1x-parameters copy on
+            # the accelerator at each checkpoint and guard snapshot. Nothing writes them in place (a window close
+            # or a cut replaces them), so a state taken earlier keeps its values; its readers copy: torch.save,
+            # StabilityGuard (to the CPU) and load_state_dict
+            "snapshot": [list(item) for item in self.snapshot],
             "rare": list(self.rare),
         }
 
@@ -945,11 +951,10 @@ class LayerFreezer:
         self.peak_rate = [float(v) for v in state["peak_rate"]]
         self.checking = [bool(v) for v in state["checking"]]
         self.window_count = [int(v) for v in state["window_count"]]
-        # copies: the caller may load the same state again
-        self.snapshot = [
-            [t.detach().to(p.device, copy=True) for t, p in zip(item, unit.params)]
-            for unit, item in zip(self.units, state["snapshot"])
-        ]
+        # copies: the caller may load the same state again, and state_dict hands these out. One unit at a time,
+        # each replacing the unit's old snapshot, so a rollback adds one unit's copy to the device, not 1x params
+        for i, (unit, item) in enumerate(zip(self.units, state["snapshot"])):
+            self.snapshot[i] = [t.detach().to(p.device, copy=True) for t, p in zip(item, unit.params)]
         for i, unit in enumerate(self.units):
             if any(t.shape != p.shape for t, p in zip(self.snapshot[i], unit.params)):
                 # the parameters changed shape since the state was saved (channels cut by structured pruning
