@@ -131,7 +131,7 @@ def _run_two_ranks(source: str, tmp_path: Path) -> tuple[dict, dict]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,  # a hang fails; a busy 2-core machine ran one of these for 155 s alone
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return tuple(json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
