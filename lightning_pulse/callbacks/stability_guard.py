@@ -89,8 +89,8 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         PulseRefusal: at fit start, for a module using manual optimization, or under FSDP, DeepSpeed or model
             parallelism (a rank holds a shard of the parameters), for a ``config.stop_checkpoint_path`` that
             cannot be written, and for a second run of this instance (another ``trainer.fit``) unless a
-            checkpoint was restored into it; at train start, for lazy parameters, torch's
-            ``ZeroRedundancyOptimizer`` and parameter groups that mix ``maximize=True`` and ``False``.
+            checkpoint was restored into it; at train start, for lazy parameters, ZeroRedundancyOptimizer and
+            groups mixing ``maximize``; at the first step, for optimizer-in-backward.
         StabilityGuardError: during training, when the guard stops the run (after saving a checkpoint, or
             saying why that save failed).
 
@@ -220,6 +220,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
             return self._changes.skip(optimizer, self._keep_gradients)
         sums = self._sum_over_ranks(trainer)
         loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, sums, trainer.world_size)
+        self.core.check_first_gradients(step, loss, grad_norm, pl_module, sums)  # updates made in backward
         if decided is Action.APPLY:  # SAM applies its second's gradient; spikes are judged on the first
             changes, keep = self._changes, self._keep_gradients  # a non-finite one: a skip
             return self.core.judge_later_step(record, step, loss, grad_norm, changes, optimizer, keep)

@@ -182,6 +182,79 @@ def refuse_manual_optimization(module: Any) -> None:
         )
 
 
+def moved_in_step(
+    model: nn.Module, snapshot: TrainingSnapshot | None, step: int, among: set[str] | None = None
+) -> list[str] | None:
+    """The names of ``model``'s parameters (``among`` them, where given) that differ from ``snapshot``'s,
+    taken at the start of ``step`` (before its first forward); ``None`` where no snapshot of that moment is
+    held. A device-to-host copy of each parameter compared: once a fit, and only where updates in backward
+    are suspected (:func:`refuse_update_in_backward`)."""
+    if snapshot is None or snapshot.step != step:
+        return None
+    moved = []
+    for name, param in model.named_parameters():
+        if among is not None and name not in among:
+            continue
+        saved = snapshot.model.get(name)
+        if isinstance(saved, Tensor) and saved.shape == param.shape and saved.dtype == param.dtype:
+            if not torch.equal(saved, param.detach().cpu()):
+                moved.append(name)
+    return moved
+
+
+def refuse_update_in_backward(
+    step: int,
+    grad_norm: float | None,
+    model: nn.Module,
+    snapshot: TrainingSnapshot | None,
+    all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+) -> None:
+    """Raise :class:`~lightning_pulse.errors.PulseRefusal` where the fit's first optimizer step with a
+    backward shows that its update was made in backward (torch's optimizer-in-backward: per-parameter
+    optimizers stepped by ``register_post_accumulate_grad_hook``), before ``optimizer.step()``, which is where
+    the guard's skip and rollback within the step act: it would report skips of updates already made.
+
+    Evidence: ``grad_norm`` ``None`` (every ``.grad`` of the optimizer is ``None``: the gradients went
+    elsewhere; the guard could read no gradient norm, and nothing tells an update made with them from none);
+    or ``model``'s parameters changed since ``snapshot`` (taken at the step's start, :func:`moved_in_step`)
+    with all-zero gradients (cleared in place), or, whatever the gradients, parameters with a post-accumulate
+    hook among them (under DDP the reducer writes the averaged gradients back after the hooks). A parameter
+    a forward writes (``nn.Embedding(max_norm=...)``) moves too, but has gradients and, unless such a hook
+    updates it, no hook that moved it. Once a fit; the comparison only where the gradients are zero or such
+    a hook exists, so ordinary runs pay a pass over the parameters' hook dicts. Under DDP the gradients,
+    hence the norm, are alike on every rank, and the moved parameters are summed over the ranks
+    (``all_reduce_sum``), so every rank refuses or none."""
+    # torch keeps the hooks of ``register_post_accumulate_grad_hook`` in this attribute (no public reader);
+    # where a version drops it, only the gradients' evidence is left
+    hooked = {name for name, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)}
+    if grad_norm is not None and grad_norm != 0.0 and not hooked:
+        return
+    moved = moved_in_step(model, snapshot, step, None if grad_norm is None or grad_norm == 0.0 else hooked)
+    if grad_norm is not None:  # the gradients reached the optimizer: refused only on evidence of an update
+        count = torch.tensor(float(len(moved or ())), device=next(model.parameters()).device)
+        if moved is None or (count.item() if all_reduce_sum is None else all_reduce_sum(count).item()) == 0:
+            return
+    seen = (
+        "no parameter of its optimizer holds a gradient (every `.grad` is None; or the optimizer holds none "
+        "of the parameters the loss reaches)"
+        if grad_norm is None
+        else "every gradient of its optimizer is zero"
+        if grad_norm == 0.0
+        else "parameters with a `register_post_accumulate_grad_hook` hook moved inside backward"
+    )
+    where = f"; {first_names(moved, 4)} changed before `optimizer.step()`" if moved else ""
+    raise PulseRefusal(
+        f"StabilityGuard cannot guard this fit: at its first optimizer step (step {step}) the loss was "
+        f"backpropagated, but {seen}{where}. The update was made in backward: an optimizer stepped by "
+        "`register_post_accumulate_grad_hook` (optimizer-in-backward), or a hook that consumes the "
+        "gradients. The guard cannot read the norm of the gradients that made the update, and a skip or "
+        "rollback within the step cannot undo an update made in backward: it would report skips that never "
+        "happened. Step the optimizers in `optimizer.step()` "
+        "(return them from `configure_optimizers` and let Lightning's automatic optimization run them), "
+        "or remove StabilityGuard from the callbacks."
+    )
+
+
 #: non-finite steps in a row (no applied step between) presumed the data's fault without a check (their loss
 #: could not be recomputed without the bad rows), after which each next one, until a step applies, is the
 #: data's only if its batch is non-finite on the snapshot a rollback would return to as well (the rollback
@@ -657,6 +730,8 @@ class StabilityCore:
         self.resumed_samples_per_step: int | None = None
         # where the data states no batch size: what reads it from the fit's first micro-batch (start), once
         self.samples_reader: Callable[[Any], int | None] | None = None
+        # the fit's first step with a backward is yet to show its gradients (refuse_update_in_backward)
+        self.gradients_unchecked = True
         # the optimizers ascend the loss (maximizes_loss, read at train start): every loss is judged negated
         self.maximized = False
         # (step, state, its loss counts taken back) of a flagged step in flight, as before it (_keep_before_step)
@@ -769,6 +844,21 @@ class StabilityCore:
             self._keep_before_step(step)
         return self.policy.decide(step, verdict)
 
+    def check_first_gradients(
+        self,
+        step: int,
+        loss: float | None,
+        grad_norm: float | None,
+        model: nn.Module,
+        all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        """At the fit's first optimizer step with a backward (``loss`` read), once: refuse a fit whose updates
+        are made in backward (:func:`refuse_update_in_backward`, against the newest snapshot). Before the
+        step is judged; on every other step a call that returns at once."""
+        if self.gradients_unchecked and loss is not None:
+            self.gradients_unchecked = False
+            refuse_update_in_backward(step, grad_norm, model, self.schedule.ring.newest(), all_reduce_sum)
+
     def judge_step(
         self,
         record: StepRecord,
@@ -865,6 +955,7 @@ class StabilityCore:
         measured at another number are dropped (:meth:`_follow_samples_per_step`). Where the reader cannot
         tell at train start, it is read at the fit's first judged step (:meth:`judge_step`), once."""
         refuse_unconsolidated_optimizers(optimizers)
+        self.gradients_unchecked = True
         self.samples_reader = samples_per_step if callable(samples_per_step) else None
         if self.samples_reader is None or (samples_per_step := self.samples_reader(None)) is not None:
             self.samples_reader = None
