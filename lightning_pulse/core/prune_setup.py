@@ -24,7 +24,7 @@ from lightning_pulse.core.prune_targets import LayerSelection
 from lightning_pulse.core.pruning import exact_names_pattern
 from lightning_pulse.core.snapshots import is_zero_redundancy, optimizers_within
 from lightning_pulse.core.step_plan import epoch_steps
-from lightning_pulse.errors import PulseRefusal, names_itself, refusing
+from lightning_pulse.errors import PulseRefusal, first_names, names_itself, refusing
 from lightning_pulse.phase import STEPS_BOUND_ONLY, UNKNOWN_STEPS_PER_BATCH, Phase, PhaseClock
 
 CADENCES = ("auto", "maintain", "steps")
@@ -575,8 +575,8 @@ def fit_start_selection(
 ) -> tuple[LayerSelection, list[str], Any]:
     """At fit start, the layers ``pruner`` prunes in ``model``, leaving out those the user froze (``frozen``,
     as a restored checkpoint recorded them; ``None``: the layers frozen in ``model`` now). Raises
-    :class:`PulseRefusal` when there is none (:func:`checked_selection`) and, in structured mode, for a
-    compiled part holding one (``compiled``: :func:`refuse_compiled_structured`), a model that cannot be
+    :class:`PulseRefusal` when there is none (:func:`checked_selection`) and, in structured mode, for
+    ``torch.nn.utils.prune`` masks on one (:func:`refuse_user_masks_structured`), a compiled part holding one (``compiled``: :func:`refuse_compiled_structured`), a model that cannot be
     traced or cut safely (:func:`refuse_structured`) or a frozen copy of a part to cut
     (:func:`refuse_frozen_twins`; unstructured too, unless ``fixed_copies``); in both modes, for a part an
     AveragedModel submodule averages (:func:`refuse_averaged_sources`).
@@ -591,6 +591,7 @@ def fit_start_selection(
     if pruner.mode == "unstructured" and not fixed_copies:
         refuse_frozen_twins(model, selection.layers, pruner.mode, pruner.exclude_pattern)
     if pruner.mode == "structured":
+        refuse_user_masks_structured(selection.layers, pruner.exclude_pattern)
         refuse_compiled_structured(pruner.mode, compiled, selection.layers)
         blocker = pruning.structured_blocker(model, selection)
         if blocker is not None and blocker.startswith(pruning.HF_CONV1D):
@@ -966,6 +967,12 @@ def refuse_structured(reason: str | None, model: nn.Module | None = None) -> Non
             f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Use {leave_out}"
             "mode='unstructured' (its masks need no dependency search)."
         )
+    if reason is not None and pruning.ON_USER_MASKS in reason:  # the reason names the layer and the fold
+        leave_out = "the `exclude_pattern` named, or " if pruning.TRIAL_CUT_PASSES in reason else ""
+        raise PulseRefusal(
+            f"ScheduledPrune: structured pruning cannot run on this model: {reason}. Fold the masks as named, "
+            f"or use {leave_out}mode='unstructured' (it keeps the masks)."
+        )
     if reason is not None and pruning.IN_USER_HOOK in reason:  # the reason names the hook and the way out
         raise PulseRefusal(f"ScheduledPrune: structured pruning cannot run on this model: {reason}.")
     if reason is not None:
@@ -1024,6 +1031,34 @@ def refuse_conv1d(
     else:
         way_out = f"Use mode='unstructured' (with `layer_types`={names}, leaving them out: {without})."
     raise PulseRefusal(f"ScheduledPrune: structured pruning cannot run on this model: {reason}. {way_out}")
+
+
+def refuse_user_masks_structured(layers: Mapping[str, nn.Module], exclude_pattern: str | None) -> None:
+    """Structured, at fit start: :class:`PulseRefusal` for chosen ``layers`` behind a ``torch.nn.utils.prune``
+    reparametrisation (:func:`~lightning_pulse.core.pruning.user_masked_tensors`: the user pruned the model, or
+    ``load_pruned`` loaded an unstructured run). A cut sets the layer's weight to a smaller parameter while its
+    pre-hook still writes ``weight_orig * weight_mask`` there: the trial cut failed with a ``TypeError`` ("cannot
+    assign 'torch.FloatTensor' as parameter 'weight'") blamed on the model, with no word of the masks."""
+    masked = {
+        name: tensors for name, layer in layers.items() if (tensors := pruning.user_masked_tensors(layer))
+    }
+    if not masked:
+        return
+    names = list(masked)
+    first, tensors = names[0], masked[names[0]]
+    shown = first_names([f"{name} ({', '.join(masked[name])})" for name in names], 3)
+    pattern = "|".join(p for p in (exclude_pattern, pruning.exact_names_pattern(names)) if p)
+    raise PulseRefusal(
+        f"ScheduledPrune: mode='structured' cannot cut layers that carry `torch.nn.utils.prune` masks "
+        f"({len(names)} chosen: {shown}): a structured cut replaces a layer's weights with smaller ones and "
+        f"cannot carry the masks along (`{first}.{tensors[0]}_orig`, `{first}.{tensors[0]}_mask` and the "
+        "pre-hook that multiplies them before each forward). Way out: fold the masks into the weights before fit,"
+        f' `torch.nn.utils.prune.remove(model.get_submodule("{first}"), "{tensors[0]}")` on the LightningModule '
+        "for each layer and tensor named (their zeros become ordinary weights, trained and cut with the rest); "
+        f"or leave these layers out with `exclude_pattern`={pattern!r} (a layer left out still follows the cut "
+        "of a layer feeding it, which the trial cut then names); or use mode='unstructured', which keeps the "
+        "masks (each event's mask keeps their zeros)."
+    )
 
 
 def refuse_compiled_structured(mode: str, compiled: Sequence[str], layers: Iterable[str]) -> None:

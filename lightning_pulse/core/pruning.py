@@ -170,6 +170,23 @@ def current_mask(module: nn.Module) -> torch.Tensor | None:
     return mask if isinstance(mask, torch.Tensor) and "weight_orig" in module._parameters else None
 
 
+def user_masked_tensors(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own tensors behind a ``torch.nn.utils.prune`` reparametrisation (a
+    ``<name>_orig`` parameter, a ``<name>_mask`` buffer and a pruning method's forward pre-hook that sets
+    ``<name>`` from them), whoever put it there: ``["weight"]``, ``["weight", "bias"]``, or ``[]``."""
+    names = []
+    for hook in module._forward_pre_hooks.values():
+        name = getattr(hook, "_tensor_name", None)
+        if (
+            isinstance(hook, prune.BasePruningMethod)
+            and f"{name}_orig" in module._parameters
+            and f"{name}_mask" in module._buffers
+            and name not in names
+        ):
+            names.append(name)
+    return names
+
+
 def unstructured_masks(
     scores: Mapping[str, torch.Tensor],
     sparsity: float,
@@ -1909,6 +1926,9 @@ NO_PATTERN_TO_CHECK = "it found no `exclude_pattern` to check"
 #: search on their streams never ends (see :func:`_endless_search_on_streams`)
 ON_HYPER_CONNECTION_STREAMS = "on the streams of HyperConnection layers"
 
+#: how the reason for a trial cut that failed in a layer behind ``torch.nn.utils.prune`` masks says so: a cut
+#: sets its weight to a smaller parameter, which the masks' pre-hook then fails to overwrite (a ``TypeError``)
+ON_USER_MASKS = "on `torch.nn.utils.prune` masks, which a cut cannot carry along"
 #: how the reason for a trial cut that failed in a forward hook the user registered says so
 IN_USER_HOOK = "in a hook you registered"
 #: the start of the reason for chosen layers that ran with autograd off in a reentrant activation checkpoint
@@ -2704,7 +2724,16 @@ def _dry_run(
         reason = f"{CUT_FAILED} {failure}"
         hooked = user_hooks.failing_user_hook(duplicate, error)
         if hooked is None:
-            raise _CutFailed(reason, _failing_module(duplicate, error)) from None
+            where = _failing_module(duplicate, error)
+            # a layer left out, whose channels follow a chosen layer's cut (chosen ones are refused at fit start)
+            masked = user_masked_tensors(duplicate.get_submodule(where)) if where else []
+            if masked:
+                reason = (
+                    f"{reason} {ON_USER_MASKS}: `{where}` carries them ({', '.join(masked)}), and the cut of a "
+                    "chosen layer changes its channels; fold them before fit: `torch.nn.utils.prune.remove("
+                    f'model.get_submodule("{where}"), "{masked[0]}")` on the LightningModule'
+                )
+            raise _CutFailed(reason, where) from None
         name, attribute, hook = hooked
         kind, shown = user_hooks.HOOK_KINDS[attribute], user_hooks.describe_hook(hook)
         where = f"`{name}`" if name else "the model itself"
