@@ -806,10 +806,6 @@ def build_dependency_graph(
     freezes its stable prefix in the light phases, when the maintain-phase events come) fed by data that needs
     no grad would leave no autograd node, and torch-pruning would never see it. The layers the user froze are
     kept out of the cuts by :attr:`Pruner.user_frozen`, not by being unseen.
-
-    A layer that runs but whose output never reaches the model's output (a dead branch) is traced too, its
-    output handed to torch-pruning with the model's (:func:`_dead_branch_outputs`); ``graph.dead_branches``
-    names the modules whose outputs were added (``[]`` for most models, whose trace is unchanged).
     """
     tp = import_torch_pruning()
     modes = {module: module.training for module in model.modules()}
@@ -826,19 +822,9 @@ def build_dependency_graph(
             parameter.requires_grad_(True)
         # a forward drawing random numbers (ViTMAE's mask) must not move the run's generators at each event
         with _counting_calls(model.modules()) as calls, torch.random.fork_rng(devices=_cuda_devices(model)):
-            with torch.enable_grad(), _module_outputs(model) as produced:
-                dead: list[str] = []
-                names = {module: name for name, module in model.named_modules()}
-
-                def forward(module: nn.Module, example: Any) -> Any:
-                    produced.clear()
-                    dead.clear()
-                    output = call_with(module, example)
-                    extra = _dead_branch_outputs(output, produced, names, dead)
-                    return [output, *extra] if extra else output
-
+            with torch.enable_grad():
                 graph = tp.DependencyGraph().build_dependency(
-                    model, example_inputs=inputs, forward_fn=forward, verbose=False
+                    model, example_inputs=inputs, forward_fn=call_with, verbose=False
                 )
     finally:
         for parameter in frozen:
@@ -849,64 +835,7 @@ def build_dependency_graph(
     graph.reused_modules = {
         m for m, number in calls.items() if number > 1 and any(True for _ in m.parameters())
     }
-    graph.dead_branches = dead
     return graph
-
-
-@contextmanager
-def _module_outputs(model: nn.Module) -> Iterator[list[tuple[nn.Module, Any]]]:
-    """Every module call's output inside the block, in the order the calls end (a forward hook on each module,
-    removed after; a ``torch.jit.script``'ed module refuses hooks and is left out)."""
-    produced: list[tuple[nn.Module, Any]] = []
-
-    def record(module: nn.Module, args: Any, output: Any) -> None:
-        produced.append((module, output))
-
-    handles = [
-        module.register_forward_hook(record)
-        for module in model.modules()
-        if not isinstance(module, torch.jit.ScriptModule)
-    ]
-    try:
-        yield produced
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _dead_branch_outputs(
-    output: Any, produced: Sequence[tuple[nn.Module, Any]], names: Mapping[nn.Module, str], dead: list[str]
-) -> list[torch.Tensor]:
-    """The outputs of module calls that the autograd graph of the model's ``output`` never reaches (a dead
-    branch: a WaveNet's last residual conv, computed and discarded), one per unreached subgraph, the outermost
-    call first; their modules' names go in ``dead``. torch-pruning builds its graph from the output's autograd
-    graph only: a layer it never sees keeps its input width while the layer feeding it is cut, and the next
-    forward fails. Returned along with the output, they put those layers in the graph, where their inputs
-    follow a cut and their own outputs count as outputs (never cut: a tensor used without autograd, a router's
-    argmax, looks the same). ``[]`` when every call reaches the output: the trace is the one it always was."""
-    reached: set[Any] = set()
-
-    def walk(roots: Iterable[Any]) -> None:
-        stack = [root for root in roots if root is not None]
-        while stack:
-            function = stack.pop()
-            if function in reached:
-                continue
-            reached.add(function)
-            stack.extend(f for f, _ in getattr(function, "next_functions", ()) if f is not None)
-
-    tp = import_torch_pruning()
-    flat = tp.utils.flatten_as_list(output)
-    walk(t.grad_fn for t in (flat if isinstance(flat, list) else [flat]) if isinstance(t, torch.Tensor))
-    extra = []
-    # the outermost call ends last: its output (a block's `x + res(z)`) holds the inner ones' (`res(z)`)
-    for module, value in reversed(produced):
-        for tensor in _nested_tensors(value):
-            if tensor.grad_fn is not None and tensor.grad_fn not in reached:
-                extra.append(tensor)
-                dead.append(names.get(module, type(module).__name__))
-                walk([tensor.grad_fn])
-    return extra
 
 
 @contextmanager
@@ -1839,9 +1768,8 @@ def output_layers(
     model: nn.Module, layers: Mapping[str, nn.Module], example: Any, precision: RunPrecision | None = None
 ) -> list[str]:
     """The names of ``layers`` whose output channels reach the model's output (the classifier giving the
-    logits) or a dead branch's discarded one (:func:`_dead_branch_outputs`): a cut of them changes an output's
-    shape, so they are never cut. Traced on a copy of ``model`` with ``example``; ``[]`` when the trace
-    fails."""
+    logits): a cut of them changes the output's shape, so they are never cut. Traced on a copy of ``model``
+    with ``example``; ``[]`` when the trace fails."""
     duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
     named = dict(duplicate.named_modules())
     try:
