@@ -136,16 +136,17 @@ def test_a_run_resumed_inside_the_skip_window_ends_as_the_uninterrupted_run(tmp_
 class _SpikeAtSixteen(_BatchNormRegressor):
     def training_step(self, batch, batch_idx):
         x, y = batch
-        if self.global_step == 16:  # a loss spike: skipped, its forward's statistics kept
+        if self.global_step == 16:  # a loss spike: skipped, its forward's statistics set back
             x, y = x * 30, y * 30
         return nn.functional.mse_loss(self.head(self.net(x)).squeeze(-1), y)
 
 
 def test_a_run_resumed_before_a_kept_skip_and_a_data_fault_ends_as_the_uninterrupted_run(tmp_path):
-    """Review: resumed at step 16, a skipped loss spike (which keeps its forward's statistics) then the NaN
-    row's data fault at 17. With no copy from before each step yet, the fault set back to the resumed
-    snapshot and undid the spike's statistics, which the uninterrupted run keeps. The checkpoint now names
-    the tensors forwards write, so the resumed fit copies them from its first step."""
+    """Review: resumed at step 16, a skipped loss spike then the NaN row's data fault at 17. With no copy
+    from before each step yet, the fault set back to the resumed snapshot, where the uninterrupted run set
+    back to the values before step 17 (the spike then kept its forward's statistics; now both skips set back
+    to the values before their own step). The checkpoint names the tensors forwards write, so the resumed fit
+    copies them from its first step."""
     whole_guard, _, whole = _fit(True, checkpoints=tmp_path, module=_SpikeAtSixteen)
     resumed_guard, _, resumed = _fit(True, resume_from=tmp_path / "step=16.ckpt", module=_SpikeAtSixteen)
     kinds = [(event["event"], event["step"]) for event in resumed_guard.events if event["step"] >= 16]

@@ -241,8 +241,8 @@ class StabilityGuard(compat.PulseStateKey, Callback):
             return self._record.drop_window(compat.window_ended(trainer))
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
         energy, optimizers, schedulers = self._energy.end(), trainer.optimizers, self._schedulers(trainer)
-        step, forced = trainer.global_step, self._record.forced  # forced: skipped after a rollback
-        if self.core.finish_step(action, step, energy, optimizers, pl_module, schedulers, forced):
+        step = trainer.global_step  # a skipped step's forward writes are set back first (finish_step)
+        if self.core.finish_step(action, step, energy, optimizers, pl_module, schedulers):
             self._moments.step_ends(trainer, partial(self._take_snapshot, trainer, pl_module))
         if action in (Action.ROLLBACK, Action.STOP):
             self._roll_back(trainer, pl_module, action)

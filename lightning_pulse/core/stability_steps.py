@@ -1000,20 +1000,23 @@ class StabilityCore:
         optimizers: Sequence[Any] | None = None,
         model: nn.Module | None = None,
         schedulers: Sequence[Any] | None = None,
-        forced: bool = False,
     ) -> bool:
-        """Book an optimizer step once its update was applied or dropped (with the energy it used); a
-        ``forced`` skip (after a rollback) first sets back what its forwards wrote
-        (:meth:`mend_forward_state`, with ``optimizers``). Whether a
-        snapshot is due at its end (``step``: the counter after it), also because ``optimizers`` gained or
-        changed a parameter group or were swapped for another class, or ``schedulers`` changed, since the
-        newest snapshot (:meth:`SnapshotSchedule.due`). Only an applied step takes one. The fit's first
-        applied step keeps ``model``'s forward state (:meth:`keep_first_forward`), and asks for a snapshot
-        when the fit-start one no longer fits (:meth:`retake_lazily_shaped_start`). The first two applied
-        steps after the fit's start or a prune learn which buffers and parameters forwards write, against the
-        newest snapshot (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`; the second: a momentum
-        encoder or an ``AveragedModel`` copied from the model keeps its values at its first update)."""
-        if forced and model is not None:
+        """Book an optimizer step once its update was applied or dropped (with the energy it used). A skipped
+        one (a loss spike, a non-finite step, a forced skip after a rollback) first sets back what its
+        forwards wrote (:meth:`mend_forward_state`, with ``optimizers``; a data fault's was already):
+        BatchNorm's running statistics, fake-quant observers, as a run that skipped the step by hand (a
+        rollback returns them to its snapshot; a stop saves the state as it is). Whether a snapshot is due at
+        its end (``step``: the counter after it), also because ``optimizers`` gained or changed a parameter
+        group or were swapped for another class, or ``schedulers`` changed, since the newest snapshot
+        (:meth:`SnapshotSchedule.due`). Only an applied step takes one. The fit's first applied step keeps
+        ``model``'s forward state (:meth:`keep_first_forward`), and asks for a snapshot when the fit-start one
+        no longer fits (:meth:`retake_lazily_shaped_start`). The first two applied steps after the fit's start
+        or a prune learn which buffers and parameters forwards write, against the newest snapshot
+        (:class:`~lightning_pulse.core.snapshots.PreStepBuffers`; the second: a momentum encoder or an
+        ``AveragedModel`` copied from the model keeps its values at its first update)."""
+        if action is Action.SKIP and model is not None and not self.forward_state_mended:
+            # the skipped step's forwards already fed the running statistics and observers: a x1000 batch
+            # skipped as a loss spike left a QAT input scale 10x too coarse for the rest of the run
             self.mend_forward_state(model, optimizers=optimizers)
         self.detector.accept_held()
         self.policy.finish(action, energy_kwh)
@@ -1025,7 +1028,7 @@ class StabilityCore:
                 pre_step.learn_after = step if pre_step.early_learns else None
         mended, self.forward_state_mended = self.forward_state_mended, False
         if action is not Action.APPLY and not mended:
-            # a skip that kept its forward's writes (a loss spike): the state moved on since the snapshot
+            # its forward's writes stay (a rollback's or stop's flagged step, or no model): the state moved on
             self.applied_through = step
         if action is Action.APPLY:
             self.unchecked_data_faults, self.applied_through = 0, step
@@ -1311,10 +1314,12 @@ class StabilityCore:
         saved: SavedForwardState | None = None,
         optimizers: Sequence[Any] | None = None,
     ) -> list[str]:
-        """After a data fault, and after each forced skip (a batch of the window skipped after a rollback,
-        never judged: its batch may hold NaN rows all the same): set back what the skipped step's forwards
-        wrote. The step is skipped, but its forward already wrote BatchNorm's running statistics, and left so
-        they would make every later step non-finite. The buffers training forwards write go back to their
+        """After a data fault, and after every other skipped step (a loss spike, a non-finite step, a forced
+        skip after a rollback, never judged: its batch may hold NaN rows all the same; :meth:`finish_step`):
+        set back what the skipped step's forwards wrote. The step is skipped, but its forward already wrote
+        BatchNorm's running statistics and fake-quant observers: left so, a bad batch's NaN would make every
+        later step non-finite, and a x1000 batch skipped as a spike would set an observer's scale for the rest
+        of the run. The buffers training forwards write go back to their
         values before the step's first forward (all of them, finite or not: the run goes on as if the step had
         been skipped;
         :class:`~lightning_pulse.core.snapshots.PreStepBuffers`), and so do the parameters forwards write (an
