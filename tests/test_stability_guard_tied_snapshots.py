@@ -121,6 +121,21 @@ def test_a_recycled_tied_snapshot_is_refilled_for_one_name_when_the_tie_was_undo
     assert torch.equal(again.model["head.weight"], model.emb.weight)
 
 
+def test_a_recycled_snapshot_whose_names_are_two_objects_over_one_memory_is_refilled_for_one_of_them():
+    # a review: the refills were known by object, so two objects over one copy's memory (a loader that does
+    # not keep a tie one object) were both refilled in place, the first name ending with the second's values
+    torch.manual_seed(0)
+    model = TiedLM()
+    old = take_snapshot(0, TiedLM())
+    held = old.model["emb.weight"]
+    old.model["head.weight"] = held.view(held.shape)  # another object, the same memory
+    with torch.no_grad():
+        model.head.weight = nn.Parameter(model.emb.weight + 1.0)  # untied, other values
+    snapshot = take_snapshot(1, model, reuse=old)
+    assert torch.equal(snapshot.model["emb.weight"], model.emb.weight)
+    assert torch.equal(snapshot.model["head.weight"], model.head.weight)
+
+
 def test_only_views_of_the_same_memory_share_a_copy():
     weight = torch.arange(12.0).reshape(3, 4)
     state = {

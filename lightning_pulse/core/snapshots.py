@@ -78,11 +78,11 @@ class CopyMemo:
         made: by :func:`view_key` of the source, ``(source, copy)``: the source is kept so that its memory, if
             it was a temporary (a callback's ``state_dict`` of clones), is not reused by a later tensor
             while the memo lives.
-        refilled: the ids of the earlier copies refilled in place.
+        refilled: the earlier copies refilled in place, by :func:`view_key` (by ``id`` where it has none).
     """
 
     def __init__(
-        self, made: MutableMapping[Any, Any] | None = None, refilled: set[int] | None = None
+        self, made: MutableMapping[Any, Any] | None = None, refilled: set[Any] | None = None
     ) -> None:
         self.made = {} if made is None else made
         self.refilled = set() if refilled is None else refilled
@@ -114,15 +114,18 @@ def copy_to_cpu(obj: Any, into: Any = None, memo: CopyMemo | None = None) -> Any
         key = view_key(source)
         if key is not None and key in memo.made:
             return memo.made[key][1]
+        # an earlier copy is known by its memory, not its object: two objects over one memory (a loader that
+        # does not keep a tie one object) are refilled once, not the first with the second's values
+        earlier = (view_key(into) or id(into)) if isinstance(into, torch.Tensor) else None
         if (
-            isinstance(into, torch.Tensor)
-            and id(into) not in memo.refilled
+            earlier is not None
+            and earlier not in memo.refilled
             and into.device.type == "cpu"
             and into.shape == source.shape
             and into.dtype == source.dtype
             and into.layout == source.layout == torch.strided
         ):
-            memo.refilled.add(id(into))
+            memo.refilled.add(earlier)
             copied = into.copy_(source)
         else:
             copied = source.to("cpu", copy=True)
