@@ -530,10 +530,15 @@ def whole_layer(module: nn.Module) -> bool:
     weight before calling ``bn``), ``nn.MultiheadAttention`` (``out_proj.weight``), a QAT layer with a
     learnable fake quantizer (``weight_fake_quant.scale``). Split, its child became a unit whose weight the
     parent's forward reads again: pinned as a tie, and, first in forward order, nothing froze; or the frozen
-    prefix ended inside the layer."""
+    prefix ended inside the layer. A learnable fake quantizer (``_LearnableFakeQuantize``: ``scale`` and
+    ``zero_point`` of its own, next to an observer holding none) is kept whole too: its two parameters make one
+    quantization grid. Split, a QuantStub's quantizer became two one-element units, the first its
+    ``zero_point``, whose gradient is exactly 0 on an input the observer's range covers."""
     if not type(module).__module__.startswith("torch."):
         return False
     own = any(param.requires_grad for param in module.parameters(recurse=False))
+    if own and isinstance(module, torch.ao.quantization.FakeQuantizeBase):
+        return True
     return own and any(param.requires_grad for child in module.children() for param in child.parameters())
 
 

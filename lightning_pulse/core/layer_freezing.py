@@ -381,6 +381,8 @@ class LayerFreezer:
         self.peak_rate = [0.0] * n
         self.checking = [False] * n  # released from a freeze; the next full window is a refresh
         self.window_count = [0] * n
+        # a unit that never moved (peak_rate 0) went without a gradient at a step of its window: read only then
+        self.gradient_missed = [False] * n
         # each unit's parameters at its window's start, on their device (1x the units' parameters, for the
         # whole fit): replaced by new tensors, never written in place, as state_dict hands these out uncopied
         self.snapshot: list[list[torch.Tensor]] = [self._clone_params(i) for i in range(n)]
@@ -518,6 +520,15 @@ class LayerFreezer:
                 else f"which were never all stable at one check within max_frozen_share={most:g}; a longer run, "
                 "or a higher threshold, lets them freeze"
             )
+        elif first_score is None and self.validated_at[0] is not None and not self.peak_rate[0]:
+            # a window closed on it, but no pace to compare with: waiting or a higher threshold cannot help
+            why = (
+                "No window gave it a pace to compare with: it never moved by a measurable amount, and the "
+                "windows in which it stood still did not give it a gradient at every step (a module used on "
+                "some batches only), so neither a longer run nor a higher threshold changes that. Freeze it "
+                "yourself if it is not meant to train (`requires_grad_(False)` before the fit leaves it out of "
+                "the units)"
+            )
         elif stable_last and not growing:  # stable at its last check, but no freeze followed it
             why = (
                 "Its last check found it stable, but no freeze came after it: freezing waits for a light phase "
@@ -593,6 +604,8 @@ class LayerFreezer:
         for i, unit in enumerate(self.units):
             if unit.used and not self.frozen[i]:
                 self.window_count[i] += 1
+                if not self.peak_rate[i] and all(param.grad is None for param in unit.params):
+                    self.gradient_missed[i] = True  # idempotent: a step counted again on resume sets it alike
         self.step_in_window += 1
         if self.step_in_window >= self.settings.check_every:
             if before is None:  # the window's state goes: kept (its movements too) for state_before_step
@@ -801,6 +814,12 @@ class LayerFreezer:
             if math.isfinite(rate):
                 self.peak_rate[i] = max(self.peak_rate[i], rate)
             score = rate / self.peak_rate[i] if self.peak_rate[i] > 0 else None
+            if score is None and rate == 0 and not self.gradient_missed[i]:
+                # it got a gradient at every step and never moved (a gradient of exactly 0, as a learnable
+                # zero point's on an input its observer's range covers, or steps that its forward overwrites,
+                # as an observer writing the scale): freezing it changes nothing, so it is as stable as can be
+                # (unscored, as the first unit it blocked every prefix for the whole run)
+                score = 0.0
             self.growing[i] = growth > MAX_STABLE_GROWTH
             stable = score is not None and score <= threshold and (threshold >= 1 or not self.growing[i])
             if self.checking[i]:
@@ -814,6 +833,7 @@ class LayerFreezer:
         for i in range(len(self.units)):
             # a window cut short by a phase change says nothing reliable: it starts again
             self.window_count[i] = 0
+            self.gradient_missed[i] = False
             if not self.frozen[i]:
                 self.snapshot[i] = self._clone_params(i)
         return refreshed
@@ -852,6 +872,7 @@ class LayerFreezer:
                     self._turn_off(param)
                 self.frozen[i] = True
                 self.window_count[i] = 0
+                self.gradient_missed[i] = False
                 self.checking[i] = False
                 self.freezes += 1
                 changed = True
@@ -860,6 +881,7 @@ class LayerFreezer:
                     self._turn_on(param)
                 self.frozen[i] = False
                 self.window_count[i] = 0
+                self.gradient_missed[i] = False
                 self.checking[i] = True
                 self.snapshot[i] = self._clone_params(i)
                 changed = True
@@ -887,6 +909,7 @@ class LayerFreezer:
             "peak_rate": list(self.peak_rate),
             "checking": list(self.checking),
             "window_count": window_count,
+            "gradient_missed": list(self.gradient_missed),
             "stats": {
                 "refreshes": self.refreshes,
                 "refresh_hits": self.refresh_hits,
@@ -951,6 +974,8 @@ class LayerFreezer:
         self.peak_rate = [float(v) for v in state["peak_rate"]]
         self.checking = [bool(v) for v in state["checking"]]
         self.window_count = [int(v) for v in state["window_count"]]
+        # absent before it was saved: the window in progress then gives a unit that never moved no score
+        self.gradient_missed = [bool(v) for v in state.get("gradient_missed", [True] * len(self.units))]
         # copies: the caller may load the same state again, and state_dict hands these out. One unit at a time,
         # each replacing the unit's old snapshot, so a rollback adds one unit's copy to the device, not 1x params
         for i, (unit, item) in enumerate(zip(self.units, state["snapshot"])):
@@ -961,6 +986,7 @@ class LayerFreezer:
                 # in a version that did not follow them): the unit's window starts over on the current tensors
                 self.snapshot[i] = self._clone_params(i)
                 self.window_count[i] = 0
+                self.gradient_missed[i] = False
         stats = state["stats"]
         self.refreshes = int(stats["refreshes"])
         self.refresh_hits = int(stats["refresh_hits"])
