@@ -141,6 +141,39 @@ def test_hooks_that_read_gradients_and_frozen_or_unused_parameters_stay_guarded(
     assert guard.detector.accepted_steps == 6
 
 
+class _WritesWeightsOutsideBackward(pl.LightningModule):
+    """All-zero gradients at the first step (a fully masked batch), and weights written outside backward: a
+    max-norm constraint at batch start, an ``nn.Embedding(max_norm=...)`` in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8, max_norm=0.5)
+        self.head = nn.Linear(8, 2)
+        with torch.no_grad():
+            self.head.weight.mul_(10.0)  # above the constraint's norm: the first renorm moves it
+
+    def on_train_batch_start(self, batch, batch_idx):
+        with torch.no_grad():
+            self.head.weight.copy_(torch.renorm(self.head.weight, 2, 0, 1.0))
+
+    def training_step(self, batch, batch_idx):
+        tokens = (batch[0].abs() * 4).long().clamp(max=15)[:, 0]
+        loss = F.cross_entropy(self.head(self.emb(tokens)), batch[1], reduction="none")
+        return (loss * (0.0 if self.global_step == 0 else 1.0)).mean()  # the first batch fully masked
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def test_weights_written_outside_backward_on_a_zero_gradient_first_step_are_not_refused(tmp_path):
+    # a regression sweep: the first-step check compared every parameter on a zero-gradient step and refused
+    # a max-norm constraint and an Embedding(max_norm=...) as updates made in backward
+    guard = StabilityGuard(warmup=5)
+    trainer = pl.Trainer(max_steps=4, callbacks=[guard], **trainer_kwargs(default_root_dir=tmp_path))
+    trainer.fit(_WritesWeightsOutsideBackward(), _data())
+    assert trainer.global_step == 4 and guard.detector.accepted_steps == 4
+
+
 @pytest.mark.ddp
 def test_optimizer_in_backward_under_ddp_is_refused_on_every_rank(tmp_path):
     import json

@@ -216,20 +216,22 @@ def refuse_update_in_backward(
 
     Evidence: ``grad_norm`` ``None`` (every ``.grad`` of the optimizer is ``None``: the gradients went
     elsewhere; the guard could read no gradient norm, and nothing tells an update made with them from none);
-    or ``model``'s parameters changed since ``snapshot`` (taken at the step's start, :func:`moved_in_step`)
-    with all-zero gradients (cleared in place), or, whatever the gradients, parameters with a post-accumulate
-    hook among them (under DDP the reducer writes the averaged gradients back after the hooks). A parameter
-    a forward writes (``nn.Embedding(max_norm=...)``) moves too, but has gradients and, unless such a hook
-    updates it, no hook that moved it. Once a fit; the comparison only where the gradients are zero or such
-    a hook exists, so ordinary runs pay a pass over the parameters' hook dicts. Under DDP the gradients,
+    or parameters with a post-accumulate hook that changed since ``snapshot`` (taken at the step's start,
+    :func:`moved_in_step`), whatever the gradients (zeroed in place by the hook, or, under DDP, the averaged
+    ones the reducer writes back after the hooks). A parameter a forward or a batch-start hook writes
+    (``nn.Embedding(max_norm=...)``, a max-norm constraint) moves too, but has no such hook. Once a fit; the
+    comparison only where such a hook exists, so ordinary runs pay a pass over the parameters' hook dicts. Under DDP the gradients,
     hence the norm, are alike on every rank, and the moved parameters are summed over the ranks
     (``all_reduce_sum``), so every rank refuses or none."""
     # torch keeps the hooks of ``register_post_accumulate_grad_hook`` in this attribute (no public reader);
     # where a version drops it, only the gradients' evidence is left
     hooked = {name for name, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)}
-    if grad_norm is not None and grad_norm != 0.0 and not hooked:
+    if grad_norm is not None and not hooked:
         return
-    moved = moved_in_step(model, snapshot, step, None if grad_norm is None or grad_norm == 0.0 else hooked)
+    # only hooked parameters count where gradients reached the optimizer: a zero-gradient first step (a fully
+    # masked batch) moves parameters a forward or a batch-start hook writes (a max-norm constraint), which
+    # backward did not (a regression sweep refused two such fits)
+    moved = moved_in_step(model, snapshot, step, None if grad_norm is None else hooked)
     if grad_norm is not None:  # the gradients reached the optimizer: refused only on evidence of an update
         count = torch.tensor(float(len(moved or ())), device=next(model.parameters()).device)
         if moved is None or (count.item() if all_reduce_sum is None else all_reduce_sum(count).item()) == 0:
