@@ -11,6 +11,7 @@ import collections
 import copy
 import dataclasses
 import inspect
+import itertools
 import math
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -166,8 +167,9 @@ def run_validation_probe(
     anything of the probe. The tensor state ``validation_step`` carries from batch to batch (a stateful RNN's)
     is the training stream's: the probe calls none of the module's validation hooks (see
     :mod:`lightning_pulse.core.validation_streams`). ``failed_on_all``: a ``validation_step`` that raises is
-    told to every rank (one collective), and :class:`ProbeFailed` is raised on all of them, so none waits in
-    the figures' reduction for one that failed.
+    told to every rank after that batch (a vote every rank reaches after each batch and after the metrics'
+    ``compute``: :func:`_failure_told_to_every_rank`), and :class:`ProbeFailed`, naming each failed rank's
+    error, is raised on all of them, so none waits in a collective the one that failed never reaches.
     Under DDP every rank calls this at the same step and gets the figures over every rank's batches, as
     ``sync_dist=True`` gives them: the weighted sums and the weights summed over ranks, sums summed, maxima and
     minima taken over ranks.
@@ -227,40 +229,39 @@ def run_validation_probe(
 
     modes = {module: module.training for module in pl_module.modules()}
     pl_module.eval()
-    error: Exception | None = None
+    told = partial(_failure_told_to_every_rank, trainer, pl_module, failed_on_all)
     try:
         with (
             kept_buffers(pl_module),
             outside_the_loop(pl_module, capture, capture_dict, trainer.precision_plugin.val_step_context()),
         ):
-            for index, batch in enumerate(batches):
-                # a copy: a module that transforms its batch in place (`batch["x"] = transforms(batch["x"])`
-                # in on_before_batch_transfer, an in-place op on CPU) leaves the kept batch as it came
-                batch = batch_copy(batch, owner, "the probe's `validation_step`", uncopied)
-                batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
-                inferred_size = None
-                if several:
-                    pl_module.validation_step(batch, index, 0)
-                else:
-                    pl_module.validation_step(batch, index)
-            # inside: the metrics' states are the probe's until outside_the_loop restores them
+            for index in itertools.count():
+                # every rank is past this batch, raised or not, before any goes on to the next one's collectives;
+                # a rank with fewer batches (an uneven validation shard) votes until every rank has had its last
+                with told(more=index + 1 < len(batches)) as vote:
+                    if index < len(batches):
+                        # a copy: a module that transforms its batch in place (`batch["x"] = transforms(...)` in
+                        # on_before_batch_transfer, an in-place op on CPU) leaves the kept batch as it came
+                        batch = batch_copy(batches[index], owner, "the probe's `validation_step`", uncopied)
+                        batch = compat.prepare_evaluation_batch(trainer, pl_module, batch)
+                        inferred_size = None
+                        if several:
+                            pl_module.validation_step(batch, index, 0)
+                        else:
+                            pl_module.validation_step(batch, index)
+                if not vote.more:
+                    break
+            # inside: the metrics' states are the probe's until outside_the_loop restores them; a vote after
+            # each, since `compute` syncs (torchmetrics' all_gather) and a rank may fail after it: one vote over
+            # them all left a rank that failed in the first in the vote while another synced the second (a review)
             for name, metric in metrics.items():
-                value = metric.compute()
-                if isinstance(value, torch.Tensor) and value.numel() == 1:
-                    sums[name], weights[name] = float(value.detach().float()), 1.0  # the same on every rank
-    except Exception as raised:
-        if not failed_on_all:
-            raise
-        error = raised
+                with told():
+                    value = metric.compute()
+                    if isinstance(value, torch.Tensor) and value.numel() == 1:  # alike on every rank
+                        sums[name], weights[name] = float(value.detach().float()), 1.0
     finally:
         for module, training in modes.items():
             module.train(training)
-    if failed_on_all:
-        failed = torch.tensor(0.0 if error is None else 1.0, device=pl_module.device)
-        if trainer.world_size > 1:  # every rank learns that one failed, before any waits in the reduction
-            failed = compat.reduce_held(trainer.strategy, failed, "sum", PROBE_COLLECTIVES)
-        if float(failed) > 0:
-            raise ProbeFailed(error)
     figures: dict[str, float] = {}
     if names := sorted(sums):
         totals = torch.tensor(
@@ -280,6 +281,47 @@ def run_validation_probe(
                 values = compat.reduce_held(trainer.strategy, values, reduction, PROBE_COLLECTIVES)
             figures.update(zip(names, values.tolist()))
     return dict(sorted(figures.items()))
+
+
+@contextmanager
+def _failure_told_to_every_rank(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool = True, more: bool = False
+) -> Iterator[types.SimpleNamespace]:
+    """Run a part of the probe that calls the module's code; where ``on``, an ``Exception`` it raises on any rank
+    is told to every rank, and :class:`ProbeFailed` raised on all of them, naming each failed rank's error.
+    ``more``: whether this rank has another batch after this part; what it yields has ``more`` set, after the
+    part, to whether any rank has.
+
+    Under DDP every rank reaches the vote after the same part, raised or not: a rank that failed must not sit in
+    the vote while another goes on to the next batch's collectives (a ``self.all_gather``, a torchmetrics
+    ``dist_sync_on_step``) or to ``metric.compute()``'s sync, or both wait for good. The vote is one small
+    all-reduce per part; the errors' texts are gathered only once one failed (every rank knows it by then, so
+    all reach that gather). One process: no collective. Off: what is raised goes through unchanged."""
+    told = types.SimpleNamespace(more=more)
+    if not on:
+        yield told
+        return
+    error: Exception | None = None
+    try:
+        yield told
+    except Exception as raised:
+        error = raised
+    said = None if error is None else ProbeFailed.said(error)
+    failures: list[tuple[int | None, str]] = []
+    if trainer.world_size <= 1:
+        if said is not None:
+            failures.append((None, said))
+    else:
+        votes = torch.tensor(
+            [float(error is not None), float(more)], dtype=torch.float64, device=pl_module.device
+        )
+        failed, anywhere = compat.reduce_held(trainer.strategy, votes, "sum", PROBE_COLLECTIVES).tolist()
+        told.more = anywhere > 0
+        if failed > 0:
+            gathered = compat.all_gather_objects(trainer, said)
+            failures = [(rank, text) for rank, text in enumerate(gathered) if text is not None]
+    if failures:
+        raise ProbeFailed(error, failures) from error
 
 
 def _attributes_copied(original: Any, copy_of_it: Any, copied_along: Callable[[Any], Any]) -> Any:

@@ -11,11 +11,14 @@ set flags that ``training_step`` reads, until the end hook undoes them. Running 
 model crashed the next backward, a capture hook grew every step). So the probe evaluates from the state training
 carries, and says so once a fit where the module resets that state for validation (:func:`state_reset_note`);
 a ``validation_step`` that fails from it (a validation batch of another size than training's: torch's
-``Expected hidden[0] size``) switches the probe off for the fit with a warning (:class:`ProbeFailed`), which
-every rank learns, instead of ending the run.
+``Expected hidden[0] size``), or for any other reason, switches the probe off for the fit with a warning that
+names the error and, under DDP, the ranks it came from (:class:`ProbeFailed`), which every rank learns after
+the batch that failed, instead of ending the run.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import lightning.pytorch as pl
 from torch import nn
@@ -57,20 +60,55 @@ def state_reset_note(module: nn.Module, owner: str, off_switch: str) -> str | No
 
 
 class ProbeFailed(Exception):
-    """The probe's ``validation_step`` raised, on this rank (``error``) or on another (``None``)."""
+    """The probe's ``validation_step`` raised: ``error`` is this rank's exception (``None`` where only another
+    rank's raised), ``failures`` each failed rank's ``(rank, "Type: first line")`` (rank ``None`` in one
+    process), the same on every rank."""
 
-    def __init__(self, error: Exception | None) -> None:
-        super().__init__(repr(error))
+    #: the longest text of an error the warning quotes
+    longest = 200
+
+    def __init__(self, error: Exception | None, failures: Sequence[tuple[int | None, str]] = ()) -> None:
         self.error = error
+        self.failures = list(failures) or ([] if error is None else [(None, self.said(error))])
+        super().__init__("; ".join(text for _, text in self.failures) or "on another rank")
+
+    @classmethod
+    def said(cls, error: BaseException) -> str:
+        """``error`` as the warning quotes it: its type and the first line of its text, cut to :attr:`longest`."""
+        try:
+            lines = str(error).strip().splitlines()
+        except Exception:
+            lines = []
+        text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+        return text if len(text) <= cls.longest else text[: cls.longest - 3] + "..."
+
+    def _where(self) -> str:
+        """Each error, with the ranks it came from where there are several processes."""
+        ranks_of: dict[str, list[int]] = {}
+        for rank, text in self.failures:
+            ranks_of.setdefault(text, []).extend(() if rank is None else (rank,))
+        parts = []
+        for text, ranks in ranks_of.items():
+            if not ranks:
+                parts.append(f"`{text}`")
+                continue
+            named = [str(rank) for rank in ranks[:8]] + ([f"{len(ranks) - 8} more"] if len(ranks) > 8 else [])
+            listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + f" and {named[-1]}"
+            parts.append(f"`{text}` on rank{'s' if len(ranks) > 1 else ''} {listed}")
+        if len(parts) > 3:  # an out-of-memory line names its device: one a rank on a large job
+            parts = [*parts[:3], f"and {len(parts) - 3} more errors"]
+        return "; ".join(parts) or "on another rank"
 
     def message(self, owner: str, off_switch: str) -> str:
-        """The warning: what raised, why it may have (carried state), and that the probe is off for the fit."""
-        raised = "on another rank" if self.error is None else f"{self.error!r}"
+        """The warning: what raised and where, that the probe is off for the fit, and the usual causes."""
         return (
-            f"{owner}: the module's `validation_step` raised in the evaluation probe ({raised}), so the probe is "
-            "off for this fit, which goes on (Lightning's validation is not affected). The probe runs "
-            "`validation_step` outside Lightning's loop and calls none of the module's validation hooks: a "
-            "stateful model whose `on_validation_epoch_start` resets the state it carries between batches is "
-            "probed from the training stream's state (a validation batch of another size fails there). Give "
-            f"validation batches the training batches' size, or turn the probe off with `{off_switch}`."
+            f"{owner}: the module's code raised in the evaluation probe (`validation_step`, a batch hook or a "
+            f"metric's `compute`: {self._where()}), so the "
+            "probe is off for this fit, which goes on (Lightning's own validation runs as before). "
+            "The probe runs `validation_step` on a few validation batches during training, outside Lightning's "
+            "loop: with training's memory in use, and from the state training leaves (it calls none of the "
+            "module's validation hooks). Usual causes: an error in `validation_step` that Lightning's "
+            "validation would meet too; running out of memory; a module that carries state between batches "
+            "and resets it in its own validation hook (a validation batch of another size than training's "
+            f"then fails). Fix the error named, or turn the probe off with `{off_switch}`."
         )
