@@ -576,8 +576,8 @@ def fit_start_selection(
     """At fit start, the layers ``pruner`` prunes in ``model``, leaving out those the user froze (``frozen``,
     as a restored checkpoint recorded them; ``None``: the layers frozen in ``model`` now). Raises
     :class:`PulseRefusal` when there is none (:func:`checked_selection`) and, in structured mode, for
-    ``torch.nn.utils.prune`` masks on one (:func:`refuse_user_masks_structured`), a compiled part holding one (``compiled``: :func:`refuse_compiled_structured`), a model that cannot be
-    traced or cut safely (:func:`refuse_structured`) or a frozen copy of a part to cut
+    ``torch.nn.utils.prune`` masks on one (:func:`refuse_user_masks_structured`), a compiled part holding
+    one (``compiled``: :func:`refuse_compiled_structured`), a model that cannot be traced or cut safely (:func:`refuse_structured`) or a frozen copy of a part to cut
     (:func:`refuse_frozen_twins`; unstructured too, unless ``fixed_copies``); in both modes, for a part an
     AveragedModel submodule averages (:func:`refuse_averaged_sources`).
 

@@ -220,9 +220,9 @@ def refuse_update_in_backward(
     :func:`moved_in_step`), whatever the gradients (zeroed in place by the hook, or, under DDP, the averaged
     ones the reducer writes back after the hooks). A parameter a forward or a batch-start hook writes
     (``nn.Embedding(max_norm=...)``, a max-norm constraint) moves too, but has no such hook. Once a fit; the
-    comparison only where such a hook exists, so ordinary runs pay a pass over the parameters' hook dicts. Under DDP the gradients,
-    hence the norm, are alike on every rank, and the moved parameters are summed over the ranks
-    (``all_reduce_sum``), so every rank refuses or none."""
+    comparison only where such a hook exists, so ordinary runs pay a pass over the parameters' hook dicts.
+    Under DDP the gradients, hence the norm, are alike on every rank, and the moved parameters are summed
+    over the ranks (``all_reduce_sum``), so every rank refuses or none."""
     # torch keeps the hooks of ``register_post_accumulate_grad_hook`` in this attribute (no public reader);
     # where a version drops it, only the gradients' evidence is left
     hooked = {name for name, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)}
