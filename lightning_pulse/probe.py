@@ -657,6 +657,12 @@ class HeldOutProbe:
         self.uncopied: set[type] = set()  # the batch classes found not to copy (said once each)
         self._reset_noted = False  # the note of a module that resets carried state for validation: once a fit
 
+    @property
+    def off(self) -> bool:
+        """Whether the probe answers ``None`` for the rest of the fit (no validation data, ``limit_val_batches=0``,
+        or a run that raised)."""
+        return self._unavailable
+
     def reset(self) -> None:
         """Take the batches again at the next run (a new fit may have new validation data)."""
         self._data = None

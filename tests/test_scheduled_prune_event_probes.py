@@ -114,3 +114,31 @@ def test_an_events_probes_read_a_schedule_free_optimizers_evaluation_point(with_
     step = event["step"]
     assert event["probe_before"]["val_loss"] == pytest.approx(before.figures[step], rel=1e-6)
     assert event["probe_after"]["val_loss"] == pytest.approx(after.figures[step], rel=1e-6)
+
+
+class _ValidationFailsFromStepEight(_Net):
+    def validation_step(self, batch, batch_idx):
+        if self.trainer.state.stage == "train" and self.trainer.global_step >= 8:
+            raise KeyError("label")  # in the probes from the second maintain phase on
+        super().validation_step(batch, batch_idx)
+
+
+def test_an_event_does_not_reuse_a_cycle_probe_that_is_off_as_its_before_figure():
+    # a review: once the cycle's probe was off (its validation_step raised), an event at a maintain entry still
+    # reused the cycle's last good figures, an older step's, as its "before" figures
+    generator = torch.Generator().manual_seed(0)
+    x, xv = torch.randn(256, 8, generator=generator), torch.randn(64, 8, generator=generator)
+    prune = ScheduledPrune(final_sparsity=0.5, start=1, end=11, every=1, probe_batches=2)
+    cycle = PulseCycle(burst=3, replay=0, maintain=2, warmup=0, anneal=0, probe_batches=2)
+    trainer = pl.Trainer(max_steps=12, callbacks=[cycle, prune], limit_val_batches=2, **trainer_kwargs())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(
+            _ValidationFailsFromStepEight(),
+            DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16),
+            DataLoader(TensorDataset(xv, (xv[:, 0] > 0).long()), batch_size=16),
+        )
+    at_maintain = [event for event in prune.events if event["phase"] == "maintain"]
+    assert [event["step"] for event in at_maintain][:2] == [3, 8]
+    assert at_maintain[0]["probe_before"] and at_maintain[0]["probe_before"] == cycle.last_probe
+    assert not at_maintain[1]["probe_before"]  # no figures of step 3 passed off as step 8's

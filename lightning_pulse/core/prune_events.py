@@ -744,8 +744,12 @@ def reusable_probe(cycle: Any, maintain_entry: bool, probe: Any) -> dict[str, fl
     evaluate the model twice; else ``None``. Only where the event's own ``probe`` (the "after" figures') reads
     the very batches the cycle's did (``probe.shares_batches``): ``PulseCycle(probe_batches=1)`` next to
     ``ScheduledPrune(probe_batches=4)`` compared one batch before the cut with four after it, and an event
-    reported +13.2% val_loss for a cut that changed it by 0.0% on the same four batches."""
+    reported +13.2% val_loss for a cut that changed it by 0.0% on the same four batches. Not where the cycle's
+    probe is off (it raised here or earlier): its last figures are an older step's (a review found an event's
+    "before" figures from four steps earlier)."""
     if maintain_entry and cycle is not None and cycle.maintain_eval == "probe" and cycle.last_probe:
+        if cycle.probe.off:
+            return None
         return dict(cycle.last_probe) if probe.shares_batches(cycle.probe) else None
     return None
 
