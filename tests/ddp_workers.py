@@ -6,6 +6,9 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +22,27 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
 )
 
 from lightning_pulse import phase_of
+
+
+def run_python_in_its_own_session(call: str, hung: str, timeout: float = 240) -> tuple[int, str]:
+    """Run ``call`` (Python source starting a two-rank fit) in a subprocess of its own session, with the
+    repository on its path; ``(returncode, stderr)``. A run past ``timeout`` is killed with its whole process
+    group (the ranks and the fork server with it) and fails the test with ``hung``: a hang fails, never
+    blocks the suite."""
+    import pytest
+
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    command, env = [sys.executable, "-c", call], {**os.environ, "PYTHONPATH": path}
+    with subprocess.Popen(
+        command, cwd=root, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as ran:
+        try:
+            _, stderr = ran.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(ran.pid, signal.SIGKILL)
+            pytest.fail(hung)
+    return ran.returncode, stderr
 
 
 class RankSkewedClock:

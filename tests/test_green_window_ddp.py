@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -25,6 +21,7 @@ from tests.ddp_workers import (
     SleepDump,
     TwoGlooProcesses,
     TwoGlooProcessesRecordingErrors,
+    run_python_in_its_own_session,
     unreadable_signal,
 )
 
@@ -191,19 +188,11 @@ def test_ranks_suspend_together_where_a_timer_started_later_on_one_rank_says_tim
     # review (pass 43): whether the fit ends at the suspend's step anyway (nothing to suspend) was each
     # rank's own finding: at a max_time stop, rank 0 ("stopped": work left) saved and waited in the save's
     # barrier, rank 1 (its Timer 0.5 s behind: "complete") skipped it; the fit hung. Rank 0's word now
-    root = Path(__file__).resolve().parents[1]
     call = f"from tests import test_green_window_ddp as t; t.fit_stopped_by_a_skewed_timer({str(tmp_path)!r})"
-    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    command, env = [sys.executable, "-c", call], {**os.environ, "PYTHONPATH": path}
-    with subprocess.Popen(
-        command, cwd=root, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
-    ) as ran:
-        try:
-            _, stderr = ran.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(ran.pid, signal.SIGKILL)  # the ranks and the fork server with it
-            pytest.fail("the two ranks hung at the suspend's step (a Timer's stop)")
-    assert ran.returncode == 0, stderr[-3000:]
+    returncode, stderr = run_python_in_its_own_session(
+        call, "the two ranks hung at the suspend's step (a Timer's stop)"
+    )
+    assert returncode == 0, stderr[-3000:]
     ends = [json.loads((tmp_path / f"end{rank}.json").read_text()) for rank in (0, 1)]
     assert ends[0][0] == 10 and ends[1] == ends[0]
     assert torch.load(tmp_path / SUSPEND_CHECKPOINT, weights_only=False)["global_step"] == 10

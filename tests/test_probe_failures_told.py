@@ -5,10 +5,6 @@ error and the rank it came from."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,9 +17,9 @@ from torchmetrics import MeanMetric
 from lightning_pulse import PulseCycle
 from lightning_pulse.core.validation_streams import ProbeFailed
 from tests.conftest import trainer_kwargs
+from tests.ddp_workers import run_python_in_its_own_session
 
 MARK = "ZZ_rank_one_probe_error"
-ROOT = Path(__file__).resolve().parents[1]
 #: (global_step, batch_idx) of each `validation_step` the probe called in this process
 _PROBE_CALLS: list[tuple[int, int]] = []
 
@@ -118,17 +114,10 @@ def test_a_probe_failure_on_one_rank_after_a_collective_turns_the_probe_off_on_b
         "from tests import test_probe_failures_told as t; "
         f"t.fit_failing_on_rank_one({str(tmp_path)!r}, {fails_in!r})"
     )
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    command, env = [sys.executable, "-c", call], {**os.environ, "PYTHONPATH": path}
-    with subprocess.Popen(
-        command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
-    ) as ran:
-        try:
-            _, stderr = ran.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(ran.pid, signal.SIGKILL)  # the ranks and the fork server with it
-            pytest.fail("the two ranks hung after rank 1's probe failure")
-    assert ran.returncode == 0, stderr[-3000:]
+    returncode, stderr = run_python_in_its_own_session(
+        call, "the two ranks hung after rank 1's probe failure"
+    )
+    assert returncode == 0, stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
     assert rank0["step"] == rank1["step"] == 9
     # the first probe ran on both ranks' uneven shards (rank 1 voted while rank 0 had its second batch); at the
