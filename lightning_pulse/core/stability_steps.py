@@ -1629,7 +1629,7 @@ class StabilityCore:
         chose), with ``state`` (optimizers, LR schedulers, rollback-aware callbacks), the detector's windows,
         the carried tensors and the policy's books. Returns the snapshot (``None``: none fits) and the applied
         steps undone."""
-        start = self.policy.incident_start
+        start = incident = self.policy.incident_start
         if self.rollback_to is not None:
             start, self.rollback_to = self.rollback_to + self.schedule.margin, None
         held = list(self.schedule.ring)  # the ones that do not fit go now
@@ -1651,14 +1651,21 @@ class StabilityCore:
             return None, 0
         self.left_out = None  # the state is the snapshot's now, and finite
         self.applied_through = target.step  # the steps applied since are undone
+        # a healthy checkpoint carries no ring: the snapshot of the state resumed at stands in for the older
+        # ones the uninterrupted run holds, also where the rollback test chose it (it then "predates")
+        resumed = (
+            f" (this fit resumed at step {target.step} from a checkpoint saved with no incident open, which "
+            "carries no snapshots: the uninterrupted run would return to an older one)"
+            if self.fit_start and target.step == self.fit_start
+            else ""
+        )
         if not predates:
-            why = ""
-            if self.fit_start and target.step == self.fit_start:  # a healthy checkpoint carries no ring
-                why = (
-                    f" (this fit resumed at step {target.step} from a checkpoint saved with no incident open, "
-                    "which carries no snapshots: the uninterrupted run would return to an older one)"
-                )
-            warn(f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one{why}.")
+            warn(f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one{resumed}.")
+        elif resumed and target.step > (step if incident is None else incident) - self.schedule.margin:
+            warn(
+                f"StabilityGuard: the rollback returns to step {target.step}, less than `rollback_margin`="
+                f"{self.schedule.margin} steps before the incident{resumed}."
+            )
         self.detector.load_state_dict(target.extra["detector"])
         restore_carried_tensors(model, target.extra.get("carried", {}))
         return target, self.policy.rewind(target.extra)
