@@ -174,6 +174,70 @@ def test_weights_written_outside_backward_on_a_zero_gradient_first_step_are_not_
     assert trainer.global_step == 4 and guard.detector.accepted_steps == 4
 
 
+class _LogsGradientNormsAndWritesWeights(pl.LightningModule):
+    """Gradient-logging post-accumulate-grad hooks on every parameter (they only read ``p.grad``) and a
+    parameter written outside backward: by the forward (``nn.Embedding(max_norm=...)`` renormalises the rows
+    it reads in place; a learnable fake quantizer writes its scale and zero point from its observer) or by a
+    batch-start hook (a max-norm constraint)."""
+
+    def __init__(self, writer: str) -> None:
+        super().__init__()
+        from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
+        from torch.ao.quantization.observer import MovingAverageMinMaxObserver
+
+        self.writer, self.norms = writer, {}
+        self.emb = nn.Embedding(16, 16, max_norm=0.5)
+        self.fq = _LearnableFakeQuantize(MovingAverageMinMaxObserver, quant_min=0, quant_max=255)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+        with torch.no_grad():
+            self.net[2].weight.mul_(10.0)  # above the constraint's norm: each renorm moves it
+        for name, p in self.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name: self.norms.update({name: p.grad.norm()})
+            )
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.writer == "max-norm constraint":
+            with torch.no_grad():
+                self.net[2].weight.copy_(torch.renorm(self.net[2].weight, 2, 0, 1.0))
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        if self.writer == "embedding max_norm":
+            x = self.emb((x.abs() * 4).long().clamp(max=15)[:, batch_idx % 16])  # other rows each micro-batch
+        elif self.writer == "learnable fake quantizer":
+            x = self.fq(x)
+        return F.cross_entropy(self.net(x), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("writer", ["embedding max_norm", "max-norm constraint", "learnable fake quantizer"])
+def test_gradient_logging_hooks_on_weights_written_outside_backward_stay_guarded(
+    tmp_path, writer, accumulate
+):
+    """Regression sweep: the first-step check compared the hooked parameters with the step's start, before
+    the batch-start hooks and the forward, and refused these fits as optimizer-in-backward. Now only what
+    moves inside each backward counts (under accumulation a later micro-batch's forward writes between two
+    backwards)."""
+    model, guard = _LogsGradientNormsAndWritesWeights(writer), StabilityGuard(warmup=5)
+    written = {"embedding max_norm": "emb.weight", "max-norm constraint": "net.2.weight"}.get(
+        writer, "fq.scale"
+    )
+    start = model.get_parameter(written).detach().clone()
+    trainer = pl.Trainer(
+        max_steps=4,
+        callbacks=[guard],
+        accumulate_grad_batches=accumulate,
+        **trainer_kwargs(default_root_dir=tmp_path),
+    )
+    trainer.fit(model, _data())
+    assert trainer.global_step == 4 and guard.detector.accepted_steps == 4
+    assert not torch.equal(model.get_parameter(written), start) and "net.0.weight" in model.norms
+
+
 @pytest.mark.ddp
 def test_optimizer_in_backward_under_ddp_is_refused_on_every_rank(tmp_path):
     import json

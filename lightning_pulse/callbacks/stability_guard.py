@@ -56,8 +56,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
        :class:`~lightning_pulse.protocols.RollbackAware` callbacks to the newest CPU snapshot taken at least
        ``rollback_margin`` steps before the trouble; the next ``skip_after_rollback`` batches are skipped. Unless
        the flagged batch spikes at that snapshot's weights too (the rollback test, each batch re-run from the
-       torch generator states its step drew from): then the data spikes, the step is skipped and counted in
-       ``recurring_spikes``.
+       torch generator states its step drew from): the data spikes; skipped, counted in ``recurring_spikes``.
     3. **Stop** when a rollback is needed after ``max_rollbacks`` recent ones: back to the last good snapshot,
        a checkpoint saved, :class:`StabilityGuardError` raised.
 
@@ -207,6 +206,13 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         record.losses.append(loss.detach())  # read once per optimizer step, with the gradient norm
         if record.cut is not None and record.batches:  # after every batch-start hook: the cut is made
             record.note_cut()
+        if self.core.gradients_unchecked:  # the fit's first step with a backward: after its forward
+            self.core.backward_moves.before(pl_module)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.core.gradients_unchecked:  # what moved inside this backward (refuse_update_in_backward)
+            self.core.backward_moves.after()
 
     @override
     def on_before_optimizer_step(
@@ -216,7 +222,8 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         record, step = self._record, trainer.global_step
         losses = record.take_losses(step + 1)  # the counter this step leaves, for the step's batch end
         decided = record.decided_before_judging(self.policy)  # a forced skip, or a later closure evaluation
-        if decided is not None and decided is not Action.APPLY:
+        if decided is not None and decided is not Action.APPLY:  # its forwards' writes: set back now
+            self.core.mend_at_decision(decided, record, pl_module, optimizer, trainer.optimizers)
             return self._changes.skip(optimizer, self._keep_gradients)
         sums = self._sum_over_ranks(trainer)
         loss, grad_norm = step_loss_and_grad_norm(optimizer.param_groups, losses, sums, trainer.world_size)
@@ -229,6 +236,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         verdict, action, cause = self.core.judge_step(
             record, step, loss, grad_norm, key, partial(self._flagged_step, trainer, pl_module), _warn_here
         )
+        self.core.mend_at_decision(action, record, pl_module, optimizer, trainer.optimizers)  # a skip's
         self.core.carry_out(action, record, self._changes, optimizer, self._keep_gradients)  # hold or skip
         if action is not Action.APPLY and cause != "data":  # the first of a fit, then rollbacks and stops
             self.core.say_flagged(rank_zero_info, step, verdict, action, loss, grad_norm, key)
@@ -241,8 +249,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
             return self._record.drop_window(compat.window_ended(trainer))
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
         energy, optimizers, schedulers = self._energy.end(), trainer.optimizers, self._schedulers(trainer)
-        step = trainer.global_step  # a skipped step's forward writes are set back first (finish_step)
-        if self.core.finish_step(action, step, energy, optimizers, pl_module, schedulers):
+        if self.core.finish_step(action, trainer.global_step, energy, optimizers, pl_module, schedulers):
             self._moments.step_ends(trainer, partial(self._take_snapshot, trainer, pl_module))
         if action in (Action.ROLLBACK, Action.STOP):
             self._roll_back(trainer, pl_module, action)
@@ -306,17 +313,10 @@ class StabilityGuard(compat.PulseStateKey, Callback):
     # ------------------------------------------------------------------ flagged steps
     def _flagged_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> steps.FlaggedStep:
         """What the judged step's checks read from the trainer (``steps.FlaggedStep``), losses via ``probe``."""
-        return steps.FlaggedStep(
-            pl_module,
-            trainer.global_step,
-            self._record,
-            trainer.optimizers,
-            self._schedulers(trainer),
-            trainer.train_dataloader,
-            self._sum_over_ranks(trainer),
-            steps.caches_activations(trainer.callbacks),
-            *rerun_losses(trainer, pl_module, self._record, self._held),
-        )
+        state = (trainer.global_step, self._record, trainer.optimizers, self._schedulers(trainer))
+        data, sums, caches = trainer.train_dataloader, self._sum_over_ranks(trainer), trainer.callbacks
+        losses = rerun_losses(trainer, pl_module, self._record, self._held)
+        return steps.FlaggedStep(pl_module, *state, data, sums, steps.caches_activations(caches), *losses)
 
     # ------------------------------------------------------------------ snapshots and rollbacks
     def _entered(self, batch: Any) -> None:  # a method of its own: benchmarks/harness.py times it

@@ -187,8 +187,8 @@ def moved_in_step(
 ) -> list[str] | None:
     """The names of ``model``'s parameters (``among`` them, where given) that differ from ``snapshot``'s,
     taken at the start of ``step`` (before its first forward); ``None`` where no snapshot of that moment is
-    held. A device-to-host copy of each parameter compared: once a fit, and only where updates in backward
-    are suspected (:func:`refuse_update_in_backward`)."""
+    held. A device-to-host copy of each parameter compared: once a fit, where no gradient reached the
+    optimizer (:func:`refuse_update_in_backward`)."""
     if snapshot is None or snapshot.step != step:
         return None
     moved = []
@@ -202,12 +202,62 @@ def moved_in_step(
     return moved
 
 
+def hooked_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """``model``'s parameters that carry a ``register_post_accumulate_grad_hook`` hook, by name."""
+    # torch keeps those hooks in this attribute (no public reader); where a version drops it, none is found
+    return {
+        name: p for name, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)
+    }
+
+
+class BackwardMoves:
+    """The parameters with a post-accumulate-grad hook that moved inside a backward, over the backwards of the
+    fit's first optimizer step with one (:func:`refuse_update_in_backward`'s evidence): each such parameter
+    copied to the host at a micro-batch's ``on_before_backward`` (:meth:`before`) and compared at its
+    ``on_after_backward`` (:meth:`after`). After the forward, not from the step's start: a parameter the
+    forward writes (``nn.Embedding(max_norm=...)``, a learnable fake quantizer's scale) or a batch-start hook
+    does (a max-norm constraint) moves outside backward, as does one a later micro-batch's forward writes
+    between two backwards (a regression sweep: fits with gradient-logging hooks on such parameters were
+    refused). The guard calls it only until that step is checked; which parameters carry such a hook is read
+    once, at the first backward (a model without any copies nothing)."""
+
+    def __init__(self) -> None:
+        self.hooked: dict[str, Tensor] | None = None  # by name; ``None``: not read yet
+        self.copies: list[Tensor] = []  # the hooked parameters' values before the current backward
+        self.moved: list[str] = []  # in the order found, each once
+
+    def before(self, model: nn.Module) -> None:
+        """At a micro-batch's ``on_before_backward``: copy the hooked parameters' values."""
+        if self.hooked is None:
+            self.hooked = hooked_parameters(model)
+        self.copies = [param.detach().to("cpu", copy=True) for param in self.hooked.values()]
+
+    def after(self) -> None:
+        """At the micro-batch's ``on_after_backward``: keep the names of those that moved since :meth:`before`
+        (the same shape and dtype)."""
+        copies, self.copies = self.copies, []
+        if not copies or self.hooked is None:
+            return
+        for (name, param), saved in zip(self.hooked.items(), copies):
+            if name not in self.moved and saved.shape == param.shape and saved.dtype == param.dtype:
+                if not torch.equal(saved, param.detach().cpu()):
+                    self.moved.append(name)
+
+    def take(self, model: nn.Module) -> tuple[list[str], list[str]]:
+        """The names of ``model``'s hooked parameters (read now where no backward read them) and of those
+        found moved; forgotten here (the check reads them once)."""
+        hooked = hooked_parameters(model) if self.hooked is None else self.hooked
+        moved, self.hooked, self.copies, self.moved = self.moved, None, [], []
+        return list(hooked), moved
+
+
 def refuse_update_in_backward(
     step: int,
     grad_norm: float | None,
     model: nn.Module,
     snapshot: TrainingSnapshot | None,
     all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+    backward: BackwardMoves | None = None,
 ) -> None:
     """Raise :class:`~lightning_pulse.errors.PulseRefusal` where the fit's first optimizer step with a
     backward shows that its update was made in backward (torch's optimizer-in-backward: per-parameter
@@ -215,26 +265,25 @@ def refuse_update_in_backward(
     the guard's skip and rollback within the step act: it would report skips of updates already made.
 
     Evidence: ``grad_norm`` ``None`` (every ``.grad`` of the optimizer is ``None``: the gradients went
-    elsewhere; the guard could read no gradient norm, and nothing tells an update made with them from none);
-    or parameters with a post-accumulate hook that changed since ``snapshot`` (taken at the step's start,
-    :func:`moved_in_step`), whatever the gradients (zeroed in place by the hook, or, under DDP, the averaged
-    ones the reducer writes back after the hooks). A parameter a forward or a batch-start hook writes
-    (``nn.Embedding(max_norm=...)``, a max-norm constraint) moves too, but has no such hook. Once a fit; the
-    comparison only where such a hook exists, so ordinary runs pay a pass over the parameters' hook dicts.
-    Under DDP the gradients, hence the norm, are alike on every rank, and the moved parameters are summed
-    over the ranks (``all_reduce_sum``), so every rank refuses or none."""
-    # torch keeps the hooks of ``register_post_accumulate_grad_hook`` in this attribute (no public reader);
-    # where a version drops it, only the gradients' evidence is left
-    hooked = {name for name, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)}
+    elsewhere; the guard could read no gradient norm, and nothing tells an update made with them from none;
+    the parameters that changed since ``snapshot``, taken at the step's start, are named:
+    :func:`moved_in_step`); or parameters with a post-accumulate hook that changed inside one of the step's
+    backwards (``backward``, what the guard's hooks saw; without it, none), whatever the gradients (zeroed
+    in place by the hook, or, under DDP, the averaged ones the reducer writes back after the hooks). A
+    parameter a forward or a batch-start hook writes (``nn.Embedding(max_norm=...)``, a max-norm
+    constraint) moves outside backward: not evidence, with a hook or without. Once a fit; a comparison only
+    where such a hook exists, so ordinary runs pay a pass over the parameters' hook dicts. Under DDP the
+    gradients, hence the norm, are alike on every rank, and the moved parameters are summed over the ranks
+    (``all_reduce_sum``), so every rank refuses or none."""
+    hooked, moved_in_backward = (hooked_parameters(model), []) if backward is None else backward.take(model)
     if grad_norm is not None and not hooked:
         return
-    # only hooked parameters count where gradients reached the optimizer: a zero-gradient first step (a fully
-    # masked batch) moves parameters a forward or a batch-start hook writes (a max-norm constraint), which
-    # backward did not (a regression sweep refused two such fits)
-    moved = moved_in_step(model, snapshot, step, None if grad_norm is None else hooked)
-    if grad_norm is not None:  # the gradients reached the optimizer: refused only on evidence of an update
-        count = torch.tensor(float(len(moved or ())), device=next(model.parameters()).device)
-        if moved is None or (count.item() if all_reduce_sum is None else all_reduce_sum(count).item()) == 0:
+    if grad_norm is None:
+        moved = moved_in_step(model, snapshot, step)
+    else:  # the gradients reached the optimizer: refused only on evidence of an update in backward
+        moved = moved_in_backward
+        count = torch.tensor(float(len(moved)), device=next(model.parameters()).device)
+        if (count.item() if all_reduce_sum is None else all_reduce_sum(count).item()) == 0:
             return
     seen = (
         "no parameter of its optimizer holds a gradient (every `.grad` is None; or the optimizer holds none "
@@ -732,8 +781,10 @@ class StabilityCore:
         self.resumed_samples_per_step: int | None = None
         # where the data states no batch size: what reads it from the fit's first micro-batch (start), once
         self.samples_reader: Callable[[Any], int | None] | None = None
-        # the fit's first step with a backward is yet to show its gradients (refuse_update_in_backward)
+        # the fit's first step with a backward is yet to show its gradients (refuse_update_in_backward), and
+        # what its backwards moved of the parameters with a post-accumulate-grad hook, until then
         self.gradients_unchecked = True
+        self.backward_moves = BackwardMoves()
         # the optimizers ascend the loss (maximizes_loss, read at train start): every loss is judged negated
         self.maximized = False
         # (step, state, its loss counts taken back) of a flagged step in flight, as before it (_keep_before_step)
@@ -855,11 +906,13 @@ class StabilityCore:
         all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         """At the fit's first optimizer step with a backward (``loss`` read), once: refuse a fit whose updates
-        are made in backward (:func:`refuse_update_in_backward`, against the newest snapshot). Before the
-        step is judged; on every other step a call that returns at once."""
+        are made in backward (:func:`refuse_update_in_backward`, on what :attr:`backward_moves` saw of the
+        step's backwards, and against the newest snapshot). Before the step is judged; on every other step a
+        call that returns at once."""
         if self.gradients_unchecked and loss is not None:
             self.gradients_unchecked = False
-            refuse_update_in_backward(step, grad_norm, model, self.schedule.ring.newest(), all_reduce_sum)
+            newest = self.schedule.ring.newest()
+            refuse_update_in_backward(step, grad_norm, model, newest, all_reduce_sum, self.backward_moves)
 
     def judge_step(
         self,
@@ -937,6 +990,29 @@ class StabilityCore:
             return
         changes.skip(optimizer, keep_gradients)
 
+    def mend_at_decision(
+        self,
+        action: Action,
+        record: StepRecord,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        optimizers: Sequence[Any] | None = None,
+    ) -> None:
+        """Where the step in flight (``record``'s) is skipped (a loss spike, a non-finite step, a forced skip
+        after a rollback), set back what its forwards wrote (:meth:`mend_forward_state`, with ``optimizers``)
+        as soon as that is decided, in ``on_before_optimizer_step``, after its forwards: not at its batch end
+        (:meth:`finish_step`), where a callback listed before the guard that averages the model then
+        (Lightning's ``EMAWeightAveraging``) had folded them into its average first (a regression sweep). Only
+        where no forward of the step can follow: ``optimizer`` evaluates the closure once a step (its applied
+        steps told so, :attr:`StepRecord.repeats`; before the first, one of torch's own), not LBFGS; else
+        (SAM, LBFGS: a later closure evaluation runs the forward again) at the batch end, as before. Call it
+        before :meth:`carry_out`, whose backup of the parameters the step holds is put back after it."""
+        if action is not Action.SKIP or self.forward_state_mended or type(optimizer) is torch.optim.LBFGS:
+            return
+        torch_own = type(optimizer).__module__.startswith("torch.optim.")
+        if record.repeats is False or (record.repeats is None and torch_own):
+            self.mend_forward_state(model, optimizers=optimizers)
+
     def start(
         self,
         step: int | None = None,
@@ -957,7 +1033,7 @@ class StabilityCore:
         measured at another number are dropped (:meth:`_follow_samples_per_step`). Where the reader cannot
         tell at train start, it is read at the fit's first judged step (:meth:`judge_step`), once."""
         refuse_unconsolidated_optimizers(optimizers)
-        self.gradients_unchecked = True
+        self.gradients_unchecked, self.backward_moves = True, BackwardMoves()
         self.samples_reader = samples_per_step if callable(samples_per_step) else None
         if self.samples_reader is None or (samples_per_step := self.samples_reader(None)) is not None:
             self.samples_reader = None
