@@ -120,25 +120,36 @@ def _batches_taken(stage: Any, loader: Any, limit: int | float) -> int | float:
 
 @contextmanager
 def frozen_metric_states(module: Any) -> Iterator[None]:
-    """Run a block that may update torchmetrics metrics, then put every metric back as it was.
+    """Run a block that may update torchmetrics metrics on copies of their states, then give every metric
+    back the very state objects it held (and its update count, cached ``compute`` and forward value).
 
     An out-of-loop evaluation (PulseCycle's maintain probe) calls the module's ``validation_step``, which
     updates the module's metric objects; without this, those updates would leak into the real epoch-end
-    validation figures.
+    validation figures. The block updates copies, never the states themselves: under a launcher that pickles
+    the module to its ranks (``ddp_spawn`` on CPU), a metric's state tensors (plain attributes, which
+    Lightning's launcher does not un-share as it does parameters and buffers) are one memory for every rank.
+    A ``MeanMetric``'s ``mean_value += ...`` then wrote into the other rank's state too, and the copy a rank
+    kept on entry could hold the other rank's first batch; put back, it started every later probe off (a
+    logged mean wrong by a different amount on each run). States shared between metrics (a
+    ``MetricCollection``'s compute groups) stay shared in the copies.
     """
+    memo: dict[int, Any] = {}
     saved = []
     for metric in module.modules():
         if isinstance(metric, Metric):
-            states = {name: copy.deepcopy(getattr(metric, name)) for name in metric._defaults}
-            saved.append((metric, states, metric._update_count, metric._computed))
+            states = {name: getattr(metric, name) for name in metric._defaults}
+            saved.append((metric, states, metric._update_count, metric._computed, metric._forward_cache))
+            for name, value in states.items():
+                setattr(metric, name, copy.deepcopy(value, memo))
     try:
         yield
     finally:
-        for metric, states, update_count, computed in saved:
+        for metric, states, update_count, computed, forward_cache in saved:
             for name, value in states.items():
                 setattr(metric, name, value)
             metric._update_count = update_count
             metric._computed = computed
+            metric._forward_cache = forward_cache
 
 
 class SkippedStepLogs:
@@ -444,7 +455,7 @@ def private_api_problems() -> list[str]:
     metric_attributes = vars(MeanMetric())
     problems = [
         f"torchmetrics.Metric.{name}"
-        for name in ("_defaults", "_update_count", "_computed")
+        for name in ("_defaults", "_update_count", "_computed", "_forward_cache")
         if name not in metric_attributes
     ]
     if not callable(getattr(torch.Tensor, "_use_count", None)):

@@ -8,6 +8,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_pulse import _lightning_compat as compat
@@ -27,6 +28,20 @@ def test_frozen_metric_states_restores_accumulated_state():
         module.acc.update(torch.tensor([0, 0, 0]), torch.tensor([1, 1, 1]))  # 0/3 correct
         assert abs(module.acc.compute().item() - 0.4) < 1e-6
     assert module.acc.compute().item() == 1.0
+
+
+def test_frozen_metric_states_updates_copies_and_gives_the_held_states_back_unwritten():
+    # under ddp_spawn on CPU the held state tensors are memory both ranks share: a write into them (MeanMetric
+    # updates in place) reached the other rank's metric (tests/test_probe_metrics_ddp.py)
+    module = torch.nn.Module()
+    module.mean = MeanMetric()
+    module.mean.update(torch.tensor(2.0))
+    held = module.mean.mean_value, module.mean.weight
+    with compat.frozen_metric_states(module):
+        module.mean.update(torch.tensor(4.0))
+        assert module.mean.compute().item() == 3.0
+    assert module.mean.mean_value is held[0] and module.mean.weight is held[1]
+    assert (held[0].item(), held[1].item(), module.mean._update_count) == (2.0, 1.0, 1)
 
 
 def test_progress_bar_item_is_added_to_the_bar_metrics(mnist1d_small):
