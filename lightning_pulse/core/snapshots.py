@@ -719,9 +719,11 @@ def restore_snapshot(
     untouched, so it can be restored again.
 
     Args:
-        rewind_schedule: ``True`` also returns the LR schedulers and the optimizers' hyperparameters
-            (``lr``, momentum, ...) to the snapshot. ``False`` keeps the current schedulers and
-            hyperparameters, so a step-indexed schedule stays where the trainer's step counter is.
+        rewind_schedule: ``True`` also returns the LR schedulers and the hyperparameters (``lr``, momentum,
+            ...) of the optimizers they drive to the snapshot; an optimizer no scheduler drives keeps its
+            current ones (a rate set by hand, which nothing would set again). ``False`` keeps the current
+            schedulers and hyperparameters, so a step-indexed schedule stays where the trainer's step
+            counter is.
 
     Raises:
         ValueError: before anything is loaded, if the number of optimizers or schedulers differs from the
@@ -775,7 +777,14 @@ def restore_snapshot(
     with torch.no_grad():
         for buffer, now in switches:  # the user's one-shot calls since the snapshot stand
             buffer.copy_(now)
+    scheduled = _scheduled_optimizers(schedulers)
     for index, (optimizer, state) in enumerate(zip(optimizers, snapshot.optimizers)):
+        # an optimizer no LR scheduler drives keeps the rate its module or a callback set: nothing would set
+        # the snapshot's again (a warm-up by hand in ``optimizer_step``, keyed on the step counter, which
+        # does not go back, left a run at its warm-up rate for good after a rollback into the warm-up)
+        rewinds = rewind_schedule and (
+            scheduled is None or any(id(inner) in scheduled for inner in optimizers_within([optimizer]))
+        )
         current_hyperparameters = [
             {name: value for name, value in group.items() if name != "params"}
             for group in optimizer.param_groups
@@ -787,7 +796,7 @@ def restore_snapshot(
         loads = [(optimizer, state), *zip(within, inner)]
         load_keeping_groups([(owner, copy.deepcopy(saved)) for owner, saved in loads])
         for group, hyperparameters in zip(optimizer.param_groups, current_hyperparameters):
-            if rewind_schedule:  # keep the keys a scheduler set since (``initial_lr``, SWALR's ``swa_lr``)
+            if rewinds:  # keep the keys a scheduler set since (``initial_lr``, SWALR's ``swa_lr``)
                 for name, value in hyperparameters.items():
                     group.setdefault(name, value)
             else:
@@ -804,6 +813,18 @@ def restore_snapshot(
     for key, stateful in (callbacks or {}).items():
         if key in snapshot.callbacks:
             stateful.load_state_dict(copy.deepcopy(snapshot.callbacks[key]))
+
+
+def _scheduled_optimizers(schedulers: Sequence[Any]) -> set[int] | None:
+    """The ids of the optimizers ``schedulers`` drive (each torch scheduler's ``optimizer``, and the optimizers
+    it holds); ``None`` where a scheduler names none (every optimizer then counts as driven)."""
+    driven: set[int] = set()
+    for scheduler in schedulers:
+        optimizer = getattr(scheduler, "optimizer", None)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return None
+        driven.update(id(inner) for inner in optimizers_within([optimizer]))
+    return driven
 
 
 @contextlib.contextmanager

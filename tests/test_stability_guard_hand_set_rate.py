@@ -1,0 +1,83 @@
+"""StabilityGuard's rollback with ``rewind_lr_schedule=True`` (the default) returns the LR schedulers and the
+hyperparameters of the optimizers they drive to the snapshot. An optimizer no scheduler drives keeps the rate
+its module set: Lightning's documented warm-up inside ``optimizer_step`` is keyed on ``global_step``, which
+does not go back, so a rollback into the warm-up left the run at its warm-up rate for good (a held-out sweep:
+0.025 for 0.05 to the end, nothing said)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pulse import StabilityGuard
+from tests.conftest import trainer_kwargs
+
+BASE_LR, WARMUP, FAULT_AT = 0.05, 10, 11
+
+
+class _WarmupByHand(pl.LightningModule):
+    """Lightning's ``optimizer_step`` warm-up recipe; a NaN written into a weight at ``FAULT_AT`` (a rollback)."""
+
+    def __init__(self, scheduled: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.scheduled, self.rates, self.faulted = scheduled, [], False
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=BASE_LR, momentum=0.9)
+        if not self.scheduled:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer.step(closure=optimizer_closure)
+        if not self.scheduled and self.trainer.global_step < WARMUP:
+            for group in optimizer.param_groups:
+                group["lr"] = min(1.0, (self.trainer.global_step + 1) / WARMUP) * BASE_LR
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == FAULT_AT and not self.faulted:
+            self.faulted = True  # NaN model state: the guard rolls back at once
+            with torch.no_grad():
+                self.net[0].weight[0, 0] = float("nan")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.rates.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def _fit(scheduled: bool):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=generator)
+    y = (x @ torch.randn(16, 4, generator=generator)).argmax(1)
+    model = _WarmupByHand(scheduled)
+    guard = StabilityGuard(
+        warmup=5, snapshot_every=5, max_snapshots=3, rollback_margin=6, skip_after_rollback=2
+    )
+    trainer = pl.Trainer(max_steps=24, callbacks=[guard], **trainer_kwargs())
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
+    rollbacks = [event["to_step"] for event in guard.events if event["event"] == "rollback"]
+    return model, trainer, rollbacks
+
+
+def test_a_rollback_into_a_warm_up_set_by_hand_keeps_the_modules_rate():
+    model, _, rollbacks = _fit(scheduled=False)
+    assert rollbacks == [5]  # into the warm-up: the snapshot's rate was 0.6 * BASE_LR
+    after = model.rates[FAULT_AT:]
+    assert after and all(rate == BASE_LR for rate in after), after
+
+
+def test_a_rollback_still_rewinds_a_scheduler_and_the_rate_it_drives():
+    model, trainer, rollbacks = _fit(scheduled=True)
+    assert rollbacks == [5]
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    # the schedule went back to step 5's (6 steps taken back; the rolled-back step does not step it either)
+    assert schedule.last_epoch == 24 - (FAULT_AT - 5) - 1
+    assert model.rates[-1] == BASE_LR / (1 + schedule.last_epoch)
