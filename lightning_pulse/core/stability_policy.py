@@ -70,7 +70,9 @@ class StabilityGuardConfig:
         rollback_memory: steps over which rollbacks are counted towards ``max_rollbacks``.
         snapshot_at_maintain: also snapshot when a maintain phase starts (if its probe loss is finite).
         rewind_lr_schedule: ``True`` returns LR schedulers (and optimizer hyperparameters) to the snapshot
-            too; ``False`` leaves them where ``trainer.global_step`` has them.
+            too, except at a rollback whose spikes the rewound schedule brought back, with the rate raised far
+            above the snapshot's (:class:`~lightning_pulse.core.schedule_replay.ScheduleReplay`); ``False``
+            leaves them where ``trainer.global_step`` has them.
         lr_factor_after_rollback: factor on the learning rate during the cooldown after a rollback, in
             ``(0, 1]``; ``1`` leaves it alone.
         lr_cooldown_steps: applied steps the lowered learning rate lasts.

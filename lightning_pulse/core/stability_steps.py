@@ -37,6 +37,7 @@ from lightning_pulse.core.fault_origin import (
     trace_nonfinite,
 )
 from lightning_pulse.core.loss_direction import maximizes_loss  # the guard's reading, at train start
+from lightning_pulse.core.schedule_replay import ScheduleReplay
 from lightning_pulse.core.selection import containers_copied
 from lightning_pulse.core.snapshots import (
     PreStepBuffers,
@@ -725,6 +726,8 @@ class StabilityCore:
             config.lr_cooldown_steps,
         )
         self.schedule = SnapshotSchedule(snapshot_every, max_snapshots, rollback_margin)
+        self.lr_replay = ScheduleReplay()  # a spike the rewound LR schedule brings back (return_to_snapshot)
+        self.lr_replay_resumed = False  # loaded from a checkpoint: its scheduler positions are this fit's
         self.bad_samples: list[dict[str, Any]] = []  # {"step", "batch_idx", "rows", "indices"}, newest last
         self.rollback_to: int | None = None  # the snapshot step the last rollback test chose
         # since the newest snapshot: the first step whose snapshot was left out, and what was non-finite then
@@ -949,6 +952,9 @@ class StabilityCore:
             True,  # accept_at_end
         )
         record.decided = action
+        if action is not Action.APPLY and step in self.policy.spike_steps:  # its rates: flagged steps only
+            found = flagged()
+            self.lr_replay.note(step, found.optimizers, found.schedulers, self.policy.spike_memory)
         if note is not None:
             warn(note)
         return verdict, action, cause
@@ -1053,6 +1059,9 @@ class StabilityCore:
         self.check_oom_warned = False
         self.rerun_failed_warned = False
         self.flag_lines = 0  # flagged steps this fit (:meth:`say_flagged`)
+        if not self.lr_replay_resumed:  # a new fit's schedulers start anew: an earlier fit's positions go
+            self.lr_replay = ScheduleReplay()
+        self.lr_replay_resumed = False
         self.level.start()
         (self.flagged_losses, self.flagged_scores), self.resumed_flagged = self.resumed_flagged, ({}, {})
         self.detector.held, self.before_step = None, None
@@ -1705,13 +1714,17 @@ class StabilityCore:
         chose), with ``state`` (optimizers, LR schedulers, rollback-aware callbacks), the detector's windows,
         the carried tensors and the policy's books. Returns the snapshot (``None``: none fits) and the applied
         steps undone."""
-        start = incident = self.policy.incident_start
+        start = first_flagged = self.policy.incident_start
         if self.rollback_to is not None:
             start, self.rollback_to = self.rollback_to + self.schedule.margin, None
         held = list(self.schedule.ring)  # the ones that do not fit go now
-        target, predates = self.schedule.roll_back(
-            step if start is None else start, model, *state, self.config.rewind_lr_schedule
-        )
+        # a schedule that led the run back into this incident stays where it is (ScheduleReplay.decide)
+        incident, ring = list(self.policy.spike_steps), self.schedule.ring
+        guess = ring.newest_at_or_before((step if start is None else start) - self.schedule.margin)
+        rewind = self.config.rewind_lr_schedule
+        rewind = self.lr_replay.decide(incident, guess or ring.oldest(), rewind, self.schedule.margin)
+        target, predates = self.schedule.roll_back(step if start is None else start, model, *state, rewind)
+        self.lr_replay.rolled_back(incident, rewind, target is not None)
         if target is None:
             # the model still fits one: the optimizers or LR schedulers changed since, with no healthy step
             # after the change to snapshot (no_snapshot_message says what helps then)
@@ -1737,7 +1750,10 @@ class StabilityCore:
         )
         if not predates:
             warn(f"StabilityGuard: no snapshot predates step {start} enough; using the oldest one{resumed}.")
-        elif resumed and target.step > (step if incident is None else incident) - self.schedule.margin:
+        elif (
+            resumed
+            and target.step > (step if first_flagged is None else first_flagged) - self.schedule.margin
+        ):
             warn(
                 f"StabilityGuard: the rollback returns to step {target.step}, less than `rollback_margin`="
                 f"{self.schedule.margin} steps before the incident{resumed}."
@@ -1756,10 +1772,12 @@ class StabilityCore:
         to_step = None if target is None else target.step
         if action is Action.ROLLBACK and target is not None:
             self.policy.rolled_back(step, to_step, undone)
-            return rollback_message(self.policy, step, to_step, undone), None
+            self.lr_replay.mark(self.policy.events[-1])
+            return rollback_message(self.policy, step, to_step, undone) + self.lr_replay.rollback_note(), None
         # a rollback with no snapshot to return to cannot help: training on would report a run on a bad state
         recent_rollbacks = len(self.policy.rollback_steps)
         self.policy.stop(step, to_step, undone)
+        self.lr_replay.mark(self.policy.events[-1])
         path = stop_checkpoint_path(self.config, root_dir, step)
         if action is Action.ROLLBACK:
             unfit = (self.left_out, self.unfit_optimizers_after, self.cut_unsnapshotted)
@@ -1767,7 +1785,7 @@ class StabilityCore:
         resumed_at = self.fit_start if self.fit_start else None  # a fit started at step 0 resumed nothing
         thresholds = (self.detector.loss_zscore, self.detector.grad_norm_zscore)
         stopped = (self.policy, step, to_step, recent_rollbacks, path, resumed_at, thresholds, self.maximized)
-        return stop_message(*stopped), path
+        return stop_message(*stopped) + self.lr_replay.stop_note(), path
 
     def parameters_replaced(
         self, step: int, model: nn.Module | None = None, record: StepRecord | None = None
@@ -1919,6 +1937,7 @@ class StabilityCore:
             "level": {**self.level.state_dict(), "applied": self.level_steps},
             "written_by_forwards": list(self.pre_step.names),
             "maximized": self.maximized,  # the sign of the loss windows' values
+            "lr_replay": self.lr_replay.state_dict(),
             # the open incident's flagged steps: a rollback or stop after the resume books their scores
             "flagged": {
                 "losses": {step: list(values) for step, values in self.flagged_losses.items()},
@@ -1959,6 +1978,8 @@ class StabilityCore:
         self.bad_samples = [dict(sample) for sample in state_dict.get("bad_samples", [])]
         self.level.load_state_dict(state_dict.get("level", {}))
         self.level_steps = int(state_dict.get("level", {}).get("applied", 0))
+        self.lr_replay.load_state_dict(state_dict.get("lr_replay", {}))  # absent before: nothing kept
+        self.lr_replay_resumed = True
         self.resumed_written = [str(name) for name in state_dict.get("written_by_forwards", [])]
         self.resumed_snapshots = [snapshot_from_state(s) for s in state_dict.get("incident_snapshots", [])]
         # a checkpoint from before the direction was read judged the loss as returned
