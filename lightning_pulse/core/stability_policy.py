@@ -230,7 +230,8 @@ class EscalationPolicy:
         self.events: list[dict[str, Any]] = []
         # the rollbacks and stop within ``rollback_memory``: {"step", "untested" (an unbroken row escalated
         # without the rollback test), "undone" (applied steps undone; None until booked), "scores" (the
-        # thresholds its flagged steps pass at, :meth:`book_scores`)}, for the stop's message, which must
+        # thresholds its flagged steps pass at, :meth:`book_scores`), "nan_update" (the tensors an applied
+        # update made NaN right before its step, :meth:`book_nan_update`)}, for the stop's message, which must
         # not blame the model on a test that never ran and names how far to raise the thresholds
         self.escalations: list[dict[str, Any]] = []
 
@@ -392,6 +393,14 @@ class EscalationPolicy:
     def _book_undone(self, step: int, undone: int | None) -> None:
         if self.escalations and self.escalations[-1]["step"] == step:
             self.escalations[-1]["undone"] = undone
+
+    def book_nan_update(self, step: int, names: Iterable[str]) -> None:
+        """Book on the escalation at ``step`` that its state went NaN in the optimizer update applied right
+        before it, from a finite loss and gradient norm (``names``: the parameters and optimizer-state tensors
+        holding a NaN; none: nothing booked)."""
+        names = list(names)
+        if names and self.escalations and self.escalations[-1]["step"] == step:
+            self.escalations[-1]["nan_update"] = names
 
     def book_scores(self, step: int, scores: Iterable[tuple[float, float] | None]) -> None:
         """Book on the escalation at ``step`` the highest thresholds its incident's flagged steps pass at

@@ -6,8 +6,8 @@
 * :class:`StepRecord`: the current optimizer step's micro-batches, losses and action, between the guard's hooks.
 * :class:`FlaggedStep`: a flagged step with what its checks read from the trainer
   (:func:`caches_activations`).
-* :func:`loss_spiked`, :func:`spike_reproduced` and :func:`rollback_test`: the rollback test's rule (does the
-  flagged batch spike at a snapshot's weights too?).
+* :func:`loss_spiked`, :func:`spike_reproduced`, :func:`spike_hidden` and :func:`rollback_test`: the rollback
+  test's rule (does the flagged batch spike at a snapshot's weights too?).
 * :func:`guard_metrics`, :func:`guard_figure` and the ``*_message`` functions: the figures logged under
   ``stability/`` and read from the guard, and the texts the guard prints.
 """
@@ -372,6 +372,22 @@ def spike_reproduced(
     return flagged_then * SAME_SPIKE_FACTOR >= flagged_now and flagged_then >= min_ratio**2 * reference_then
 
 
+def spike_hidden(
+    flagged_then: float, reference_then: float, reference_trained: float, flagged_now: float, min_ratio: float
+) -> bool:
+    """Whether a flagged batch does not stand out at an older snapshot only because every loss is high there,
+    so that snapshot cannot tell whether a rollback helps: the ordinary batch's loss there is at least
+    ``min_ratio`` times its loss ``reference_trained`` on a newer snapshot that reproduced the spike, and
+    judged against that trained loss the batch spikes there as it spikes now (:func:`spike_reproduced`).
+    The fit's untrained start: a shard of wrong labels gave 4.10 against an ordinary batch's 0.66 at the
+    step-100 snapshot (reproduced) and 2.306 against 2.316 at step 0, where a rollback undid 203 applied
+    steps. A healthy older snapshot, where the batch is ordinary and so is every loss, is not hidden: damage
+    that began before the newest snapshot is still rolled back to it."""
+    if not math.isfinite(reference_then) or reference_then < min_ratio * reference_trained:
+        return False
+    return spike_reproduced(flagged_then, reference_trained, flagged_now, min_ratio)
+
+
 def rollback_test(
     targets: Sequence[TrainingSnapshot],
     losses_at: Callable[[TrainingSnapshot], tuple[float, float]],
@@ -382,12 +398,18 @@ def rollback_test(
     the first one on which the flagged batch does not spike (:func:`spike_reproduced` is false), so the rollback
     goes there; ``(False, None)`` when it spikes on every one (the data's fault: skip, do not roll back);
     ``(True, None)`` with no snapshot (nothing to test: escalate as before). ``losses_at(target)`` gives the
-    flagged and the ordinary batch's losses at ``target``'s weights."""
+    flagged and the ordinary batch's losses at ``target``'s weights. Once a newer snapshot reproduced the
+    spike, an older one where the batch does not stand out only because every loss is high there
+    (:func:`spike_hidden`, against the lowest ordinary loss of those that reproduced it) tells nothing and is
+    no target: with none other, the spike is the data's."""
     if not targets:
         return True, None
+    trained: float | None = None  # the ordinary batch's lowest loss on a snapshot that reproduced the spike
     for target in targets:
         flagged, reference = losses_at(target)
-        if not spike_reproduced(flagged, reference, flagged_now, min_ratio):
+        if spike_reproduced(flagged, reference, flagged_now, min_ratio):
+            trained = reference if trained is None else min(trained, reference)
+        elif trained is None or not spike_hidden(flagged, reference, trained, flagged_now, min_ratio):
             return True, target.step
     return False, None
 
@@ -426,6 +448,18 @@ def state_tensors(
                 if isinstance(value, Tensor):
                     trained[f"{key} of {owner}"] = value
     return trained, current_forward_state(model, carried)
+
+
+def updated_to_nan(model: nn.Module, optimizers: Sequence[Any]) -> list[str]:
+    """The parameters ``optimizers`` update, and their optimizer-state tensors, that hold a NaN (named as
+    :func:`state_tensors` names them): what only an optimizer step writes. Parameters outside the optimizers
+    (an EMA codebook a forward writes) are left out. Read at a flagged step only."""
+    trained, _ = state_tensors(model, optimizers, {})
+    held = {
+        id(param) for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]
+    }
+    updated = {name: t for name, t in trained.items() if not isinstance(t, nn.Parameter) or id(t) in held}
+    return nonfinite_tensors({}, nan_only=updated)
 
 
 def current_forward_state(model: nn.Module, carried: Mapping[str, Any] | None = None) -> dict[str, Tensor]:
@@ -499,6 +533,9 @@ class StepRecord:
 
     def __init__(self, cut: Any = None, device: torch.device | str | None = None, logs: Any = None) -> None:
         self.losses: list[Any] = []  # the micro-batch losses of the current optimizer step
+        # those the last closure evaluation read (:meth:`take_losses`), kept by reference: a flagged step's
+        # rollback test reads each micro-batch's (FlaggedStep.highest_micro_batch)
+        self.taken: list[Any] = []
         # and its micro-batches: by reference from the guard's batch start, their containers copied once
         # training_step is entered (what it received, before it pops entries: :meth:`entered`)
         self.batches: list[tuple[int, Any]] = []
@@ -590,6 +627,7 @@ class StepRecord:
         the step that leaves the counter at ``step_after`` (what :meth:`end` records)."""
         self.step_after = step_after
         losses, self.losses = self.losses, []
+        self.taken = losses
         self.evaluations += 1
         return losses
 
@@ -679,15 +717,33 @@ class FlaggedStep:
     # timestep, dropout) comes again, as the data's
     losses_at: Callable[[TrainingSnapshot, list[tuple[int, Any]], list[tuple[int, Any]]], tuple[float, float]]
 
-    def losses_at_snapshot(self, target: TrainingSnapshot) -> tuple[float, float]:
-        """The mean losses of the step's micro-batches and of the last applied step's (the ordinary batch) at
-        ``target``'s weights."""
-        return self.losses_at(target, self.record.batches, self.record.reference)
+    def losses_at_snapshot(
+        self, target: TrainingSnapshot, batches: list[tuple[int, Any]] | None = None
+    ) -> tuple[float, float]:
+        """The mean losses of the step's micro-batches (or of ``batches``, some of them) and of the last
+        applied step's (the ordinary batch) at ``target``'s weights."""
+        return self.losses_at(
+            target, self.record.batches if batches is None else batches, self.record.reference
+        )
 
     @property
     def comparable(self) -> bool:
         """Whether the rollback test can compare: an ordinary applied batch, and no activation cache."""
         return bool(self.record.reference) and not self.caches_activations
+
+    def highest_micro_batch(self, maximized: bool = False) -> tuple[float, tuple[int, Any]] | None:
+        """Under gradient accumulation, the micro-batch with the highest loss and that loss, its own (the
+        recorded value, which Lightning divides by the window's length, times that length; judged negated
+        where ``maximized``): read from the losses the step recorded (``record.taken``), at a flagged step
+        only. ``None`` with one micro-batch, losses that do not pair with the micro-batches (a
+        ``training_step`` that returned ``None``), or under DDP, where each rank's micro-batches differ."""
+        batches, losses = self.record.batches, self.record.taken
+        if len(batches) < 2 or len(losses) != len(batches) or self.all_reduce_sum is not None:
+            return None
+        sign = -1.0 if maximized else 1.0
+        own = [sign * float(loss) * len(losses) for loss in losses]
+        highest = max(range(len(own)), key=own.__getitem__)
+        return own[highest], batches[highest]
 
 
 class StabilityCore:
@@ -792,6 +848,8 @@ class StabilityCore:
         self.maximized = False
         # (step, state, its loss counts taken back) of a flagged step in flight, as before it (_keep_before_step)
         self.before_step: tuple[int, dict[str, Any], bool] | None = None
+        # a step whose state an applied update right before it made NaN, with those tensors (nonfinite_cause)
+        self.nan_update: tuple[int, list[str]] | None = None
 
     def _follow_samples_per_step(self, samples_per_step: int | None) -> None:
         """Drop a checkpoint's gradient-norm baselines measured at another number of samples per optimizer step
@@ -951,6 +1009,9 @@ class StabilityCore:
             lambda verdict: self.flagged_rollback_helps(flagged(), verdict, warn),
             True,  # accept_at_end
         )
+        nan_update, self.nan_update = self.nan_update, None
+        if action in (Action.ROLLBACK, Action.STOP) and nan_update is not None and nan_update[0] == step:
+            self.policy.book_nan_update(step, nan_update[1])  # the stop's message names the update
         record.decided = action
         if action is not Action.APPLY and step in self.policy.spike_steps:  # its rates: flagged steps only
             found = flagged()
@@ -1207,6 +1268,10 @@ class StabilityCore:
                 cause = "data"
         if cause == "data" and (warning := self.data_fault(model, step, samples, (newest, saved), unchecked)):
             warn(warning)
+        if cause == "state" and flagged.record.applied(step):
+            # the step before was applied, on a finite loss and gradient norm: a NaN in what only an optimizer
+            # step writes came from its update (Adam with eps=0: 0 / (sqrt(0) + 0) for a gradient of 0)
+            self.nan_update = (step, updated_to_nan(model, flagged.optimizers))
         return cause
 
     def losses_for_a_check(
@@ -1559,8 +1624,18 @@ class StabilityCore:
     ) -> bool:
         """The rollback test (:meth:`rollback_helps`) of a flagged step with its ``verdict``: the flagged and
         the last ordinary batches' losses at a snapshot's weights (:meth:`FlaggedStep.losses_at_snapshot`),
-        negated as the step's loss is where the optimizers maximize it (:attr:`maximized`)."""
-        losses_at = flagged.losses_at_snapshot
+        negated as the step's loss is where the optimizers maximize it (:attr:`maximized`). Where the window's
+        loss did not spike (:func:`loss_spiked`) but its highest micro-batch's own loss does
+        (:meth:`FlaggedStep.highest_micro_batch`), that micro-batch alone is tested, with that loss."""
+        losses_at, loss, min_ratio = flagged.losses_at_snapshot, flagged.record.loss, self.detector.min_ratio
+        median = self.detector.baseline(flagged.record.key)["loss"]
+        if loss is not None and not loss_spiked(verdict, loss, median, min_ratio):
+            micro = flagged.highest_micro_batch(self.maximized)
+            if micro is not None and loss_spiked(verdict, micro[0], median, min_ratio):
+                # a micro-batch's spike averaged away in its window (x1000 samples beside a clean batch: 2.32
+                # against a median of 1.41) is tested on that micro-batch alone, as without accumulation
+                loss, batch = micro
+                losses_at = partial(flagged.losses_at_snapshot, batches=[batch])
         if self.maximized:
             losses_at = _negated(losses_at)
         return self.rollback_helps(
@@ -1568,7 +1643,7 @@ class StabilityCore:
             flagged.step,
             flagged.record.key,
             verdict,
-            flagged.record.loss,
+            loss,
             flagged.comparable,
             losses_at,
             flagged.optimizers,
@@ -2304,6 +2379,9 @@ def stop_message(
         "load the weights into a new run (YourModule.load_from_checkpoint(path), then trainer.fit): resuming "
         "with ckpt_path restores the optimizer's learning rate and the guard's rollback count too."
     )
+    if (updated := nan_update_facts(policy, flagged)) is not None:
+        changed = "Then, to train on with the optimizer's arguments changed,"
+        return f"{stopped}. The checkpoint {path!r} holds {holds}. {updated} {changed} {train_on}"
     facts = untested_stop_facts(policy)
     if facts is None:
         return (
@@ -2376,6 +2454,27 @@ def threshold_way_out(
         else "raise the threshold named above, or set both to None"
     )
     return way_out, readings
+
+
+def nan_update_facts(policy: EscalationPolicy, flagged: Sequence[str]) -> str | None:
+    """What the guard knows of a stop whose every rollback and the stop itself (``policy.escalations``) found
+    the parameters or optimizer state NaN right after an applied optimizer update whose loss and gradient
+    norm were finite (:meth:`EscalationPolicy.book_nan_update`): the update's own arithmetic made them NaN,
+    which no learning rate changes; ``None`` otherwise. A digits MLP with ``Adam(eps=0.0)``: pixels that are
+    0 in every image give their weights a gradient of 0, and the first update is 0 / (sqrt(0) + 0); the
+    message used to say the spikes came from the model and advise a lower learning rate."""
+    escalations = policy.escalations
+    if not escalations or not all(escalation.get("nan_update") for escalation in escalations):
+        return None
+    names = list(dict.fromkeys(name for escalation in escalations for name in escalation["nan_update"]))
+    return (
+        f"Each rollback and this stop found {first_names(names, 4)} NaN right after an optimizer update "
+        f"applied on a finite loss and gradient norm (flagged steps: {', '.join(flagged)}): the update "
+        "itself made the NaN, and a smaller learning rate scales a NaN but does not remove it. Look at the "
+        "optimizer's arguments: a division by 0 in its update (Adam, AdamW, RMSprop or Adagrad with `eps`=0 "
+        "divide a gradient of 0 by a second moment of 0: 0/0; give `eps` a value above 0, as its default: "
+        "1e-8 for Adam), or a learning rate, momentum or weight decay that is NaN (a schedule's 0/0)."
+    )
 
 
 def untested_stop_facts(policy: EscalationPolicy) -> tuple[str, bool] | None:
