@@ -26,12 +26,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.seed import isolate_rng
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.core.carried_state import kept_buffers, kept_carried_state, kept_python_state
 from lightning_pulse.core.optimizer_modes import at_evaluation_point
-from lightning_pulse.core.selection import entries_replaced, rebuilt
+from lightning_pulse.core.per_sample_loss import LossCapture
+from lightning_pulse.core.selection import entries_replaced, rebuilt, take_samples
 from lightning_pulse.core.snapshots import TrainingSnapshot, holding
 from lightning_pulse.core.stability_steps import DrawnState
 from lightning_pulse.core.validation_streams import ProbeFailed, state_reset_note
@@ -575,6 +577,65 @@ def training_losses(
             if isinstance(loss, torch.Tensor):
                 losses.append(float(loss.detach().float()))
     return losses
+
+
+def captured_losses(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    batch_size: int,
+    positions: torch.Tensor,
+    pairwise: bool = False,
+) -> list[tuple[str, torch.Tensor]]:
+    """The unreduced losses of the ``torch.nn.functional`` losses the module's own ``training_step`` calls on
+    the samples of ``batch`` (``batch_size`` of them) at ``positions``, in that order (a copy: batch mode's cut
+    of it), each with its name, in call order
+    (:meth:`~lightning_pulse.core.per_sample_loss.LossCapture.unreduced_losses`). ``pairwise``: a tensor with
+    ``B`` along both first dimensions is reordered along both (a per-sample pairwise mask), not only along its
+    first (tokens as long as the batch).
+
+    Without training and without a trace, as :func:`training_losses` runs a step, with autograd on; and in eval
+    mode, every buffer given back (:func:`~lightning_pulse.core.carried_state.kept_buffers`): no dropout draw
+    or batch statistic couples the samples, so each sample's loss is its own wherever it sits in the batch.
+    HardSampleReplay's check of which dimension of a loss holds the samples
+    (:mod:`lightning_pulse.core.loss_layout`), once a fit.
+
+    Raises:
+        ValueError: under manual optimization, whose ``training_step`` steps its optimizers (not run).
+    """
+    if not pl_module.automatic_optimization:
+        raise ValueError("its training_step steps its own optimizers (manual optimization), so it is not run")
+    copied = batch_copy(batch, "HardSampleReplay", "its check of the loss's layout")
+    reordered = take_samples(copied, positions, batch_size)
+    for leaf in tree_leaves(reordered) if pairwise else ():
+        if isinstance(leaf, torch.Tensor) and tuple(leaf.shape[:2]) == (batch_size, batch_size):
+            leaf.copy_(leaf.index_select(1, positions.to(leaf.device)))  # a copy's: the batch is not touched
+
+    def drop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    modes = {module: module.training for module in pl_module.modules()}
+    capture = LossCapture(batch_size, batch=reordered)
+    pl_module.eval()
+    try:
+        with (
+            outside_the_loop(pl_module, drop, drop, trainer.precision_plugin.train_step_context(), True),
+            kept_buffers(pl_module),
+            capture,
+        ):
+            pl_module.training_step(reordered, batch_idx)
+    finally:
+        for module, training in modes.items():
+            module.train(training)
+    return capture.unreduced_losses()
+
+
+def step_rerun(
+    trainer: pl.Trainer, pl_module: pl.LightningModule
+) -> Callable[..., list[tuple[str, torch.Tensor]]]:
+    """``(batch, batch_idx, batch_size, positions) ->`` :func:`captured_losses` of this fit's module."""
+    return partial(captured_losses, trainer, pl_module)
 
 
 def losses_at(

@@ -360,3 +360,187 @@ def test_the_pairwise_watch_reads_a_sorted_padding_mask_as_no_relation_and_a_cut
         and "batch['same'] (3, 3) is symmetric" in reason
         and "at the fit's first batch" in reason
     )
+
+
+# held-out sweep "nnlayers": a time-major model (nn.LSTM / nn.Transformer with their default batch_first=False)
+# whose sequence length equals the batch size gives a loss of (T, B), or (T * B,) rows, that looks batch-first;
+# it was split along time (rank correlation with the true per-sample losses about 0.07). The fit's first step now
+# tells the layout by the target's strides or by running training_step again on the batch reordered
+
+
+SEQ = 8  # as long as BATCH: the shapes alone do not tell time from samples
+
+
+def _sequences(samples=32):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, SEQ, 3, generator=generator)
+    y = torch.randn(samples, SEQ, generator=generator) * torch.linspace(0.1, 3.0, samples)[:, None]
+    return torch.utils.data.TensorDataset(x, y)
+
+
+class _LstmRegressor(pl.LightningModule):
+    """An nn.LSTM regressor over (B, T, 3) batches; ``batch_first=False`` feeds it ``x.transpose(0, 1)`` and
+    computes the loss on its (T, B) outputs against ``target(y)``."""
+
+    def __init__(self, batch_first: bool, target=lambda y: y, lr: float = 0.0) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(3, 16, batch_first=batch_first)
+        self.out = torch.nn.Linear(16, 1)
+        self.batch_first, self.target, self.lr = batch_first, target, lr
+        self.calls = 0
+
+    def predict(self, x):
+        h, _ = self.rnn(x if self.batch_first else x.transpose(0, 1))
+        return self.out(h).squeeze(-1)  # (B, T), or (T, B) time-major
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.calls += 1
+        return F.mse_loss(self.predict(x), self.target(y if self.batch_first else y.t()))
+
+    def true_losses(self, x, y):  # (N,): each sample's mean over its T steps
+        with torch.no_grad():
+            pred = self.predict(x)
+            return ((pred if self.batch_first else pred.t()) - y).pow(2).mean(1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class _Seq2Seq(pl.LightningModule):
+    """PyTorch's translation tutorial in small: nn.Transformer over token ids, the loss on the logits flattened
+    with ``reshape(-1, V)`` against the shifted targets (``batch_first=False``: (T, B, V) logits and
+    ``tgt[:, 1:].t().reshape(-1)``, as the tutorial does)."""
+
+    def __init__(self, batch_first: bool, dropout: float = 0.0, lr: float = 0.0) -> None:
+        super().__init__()
+        self.src_emb, self.tgt_emb = torch.nn.Embedding(VOCAB, 16), torch.nn.Embedding(VOCAB, 16)
+        self.transformer = torch.nn.Transformer(16, 2, 1, 1, 32, dropout=dropout, batch_first=batch_first)
+        self.out = torch.nn.Linear(16, VOCAB)
+        self.batch_first, self.lr = batch_first, lr
+        self.calls = 0
+
+    def logits(self, src, tgt_in):  # (B, S), (B, T) -> (B, T, V), or (T, B, V) time-major
+        mask = self.transformer.generate_square_subsequent_mask(tgt_in.shape[1])
+        if not self.batch_first:
+            src, tgt_in = src.t(), tgt_in.t()
+        return self.out(self.transformer(self.src_emb(src), self.tgt_emb(tgt_in), tgt_mask=mask))
+
+    def training_step(self, batch, batch_idx):
+        src, tgt = batch
+        self.calls += 1
+        logits = self.logits(src, tgt[:, :-1])
+        target = tgt[:, 1:] if self.batch_first else tgt[:, 1:].t()
+        return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+    def true_losses(self, src, tgt):  # (N,): each sample's mean over its T target tokens
+        with torch.no_grad():
+            logits = self.logits(src, tgt[:, :-1])
+            logits = logits.permute(0, 2, 1) if self.batch_first else logits.permute(1, 2, 0)  # (N, V, T)
+            return F.cross_entropy(logits, tgt[:, 1:], reduction="none").mean(1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _token_pairs(samples=32):
+    generator = torch.Generator().manual_seed(0)
+    src = torch.randint(0, VOCAB, (samples, 5), generator=generator)
+    return torch.utils.data.TensorDataset(
+        src, torch.randint(0, VOCAB, (samples, SEQ + 1), generator=generator)
+    )
+
+
+def _fit_sequences(module, data, tmp_path, max_epochs=1):
+    replay = HardSampleReplay(mode="batch", replay_fraction=0.5, score_half_life=None)
+    trainer = pl.Trainer(
+        callbacks=[replay], max_epochs=max_epochs, **trainer_kwargs(default_root_dir=tmp_path)
+    )
+    trainer.fit(module, DataLoader(data, batch_size=BATCH, shuffle=True))
+    return replay, trainer
+
+
+@pytest.mark.parametrize("target", ["a view", "a copy"])
+def test_a_time_major_lstm_loss_as_long_as_the_batch_is_refused_at_the_first_step(target, tmp_path):
+    # a view (`y.t()`) is told by its strides; a copy (`y.t().contiguous()`) by training_step run again on the
+    # batch reordered, its (T, B) rows staying in place
+    module = _LstmRegressor(batch_first=False, target=(lambda y: y) if target == "a view" else torch.clone)
+    with pytest.raises(
+        PulseRefusal,
+        match=r"^HardSampleReplay cannot split the module's mse_loss into samples: its unreduced loss \(8, 8\) "
+        r"is time-major, the batch's 8 samples along its second dimension.*(transposed|stayed in place).*"
+        r"`batch_first=True`.*`scorer=`",
+    ):
+        _fit_sequences(module, _sequences(), tmp_path)
+    assert module.calls == 1  # refused at the first step; the check's runs leave no count behind
+
+
+def test_the_translation_tutorials_time_major_transformer_with_as_many_target_tokens_as_samples_is_refused(
+    tmp_path,
+):
+    module = _Seq2Seq(batch_first=False)
+    with pytest.raises(
+        PulseRefusal,
+        match=r"^HardSampleReplay cannot split the module's cross_entropy into samples: its unreduced loss "
+        r"\(64,\) is time-major, the batch's 8 samples along every 8th row.*stayed in place",
+    ):
+        _fit_sequences(module, _token_pairs(), tmp_path)
+    assert module.calls == 1
+
+
+@pytest.mark.parametrize("model", ["lstm", "lstm-copied-target", "transformer"])
+def test_batch_first_sequence_models_as_long_as_the_batch_train_and_score_each_sample_exactly(
+    model, tmp_path
+):
+    # weights fixed (lr=0): every stored score is the sample's true loss. The LSTM's target `y` is told by its
+    # strides; a copy of it, and the Transformer's flattened `tgt[:, 1:].reshape(-1)`, by the step run again
+    if model == "transformer":
+        module, data = _Seq2Seq(True), _token_pairs()
+    else:
+        module, data = _LstmRegressor(True, torch.clone if model != "lstm" else lambda y: y), _sequences()
+    replay, trainer = _fit_sequences(module, data, tmp_path, max_epochs=2)
+    assert trainer.global_step == 8 and module.calls == 8
+    truth = module.true_losses(*data.tensors)
+    scores = torch.from_numpy(replay.table.scores)
+    assert not scores.isnan().any()
+    assert (scores - truth).abs().max() < 1e-4
+
+
+def test_the_layout_check_leaves_the_training_as_it_was(monkeypatch, tmp_path):
+    # dropout and SGD: the check's runs of training_step draw no random number and write no weight or buffer,
+    # so the fit trains as one whose check never ran
+    import lightning_pulse.core.replay_batch as replay_batch
+
+    checked = replay_batch.sample_dimension_refusal
+    runs = []
+
+    def counted(capture, rerun):
+        return checked(capture, lambda *args: runs.append(args) or rerun(*args))
+
+    weights = []
+    for check in (counted, lambda capture, rerun: None):
+        monkeypatch.setattr(replay_batch, "sample_dimension_refusal", check)
+        pl.seed_everything(0)
+        module = _Seq2Seq(batch_first=True, dropout=0.3, lr=0.1)
+        _fit_sequences(module, _token_pairs(), tmp_path)
+        weights.append(torch.cat([p.detach().flatten() for p in module.parameters()]))
+    assert len(runs) == 2  # the batch as it came and reordered, at the first step only
+    assert torch.equal(weights[0], weights[1])
+
+
+def test_rows_follow_the_samples_tells_samples_time_steps_and_pairs():
+    from lightning_pulse.core.loss_layout import rows_follow_the_samples
+
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.rand(6, generator=generator) * torch.arange(1.0, 7.0)  # each sample's own level
+    noise = torch.rand(6, 6, generator=generator)
+    order = torch.tensor([2, 0, 1, 5, 3, 4])
+    batch_first = samples[:, None] + noise  # (B, T): row i is sample i
+    assert rows_follow_the_samples(batch_first, batch_first[order], order, 6) is True
+    time_major = batch_first.t()  # (T, B): reordered samples are reordered columns
+    assert rows_follow_the_samples(time_major, time_major[:, order], order, 6) is False
+    flattened = time_major.reshape(-1)  # (T * B,) rows of the time-major logits
+    assert rows_follow_the_samples(flattened, time_major[:, order].reshape(-1), order, 6) is False
+    pairwise = samples[:, None] * samples[None, :]  # (B, B) over pairs of samples
+    assert rows_follow_the_samples(pairwise, pairwise[order][:, order], order, 6) is True
+    assert rows_follow_the_samples(batch_first, torch.rand(6, 6, generator=generator), order, 6) is None

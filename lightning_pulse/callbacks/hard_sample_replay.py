@@ -16,13 +16,13 @@ from lightning_pulse import _lightning_compat as compat
 from lightning_pulse.callbacks.pulse_cycle import phase_of, refuse_unreachable_phases
 from lightning_pulse.core import replay
 from lightning_pulse.core.per_sample_loss import PerSampleScorer
-from lightning_pulse.core.replay import ReplayConfig
 from lightning_pulse.core.replay_batch import ReplayBatchLifecycle, refuse
 from lightning_pulse.core.replay_data import ReplayData
 from lightning_pulse.core.sample_scores import SampleScoreTable
 from lightning_pulse.errors import OneRunPerInstance, names_itself, tuner_search
 from lightning_pulse.loggers import log_to_loggers, refuse_logger_only_monitors
 from lightning_pulse.phase import Phase
+from lightning_pulse.probe import step_rerun
 from lightning_pulse.step_rows import step_rows_every
 from lightning_pulse.step_saving import StepSavingLoader
 
@@ -75,17 +75,17 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
             that never come (none the PulseCycle has; with none, no ``"replay"``), a second run of this instance
             unless a checkpoint was restored into it, or in ``mode="steps"`` a run or sampler of unknown
             length, a resume from a mid-epoch checkpoint that holds no state of it, ``limit_train_batches``,
-            ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a
-            ``GradientAccumulationScheduler``, a per-step LR scheduler built for the run's unplanned length
-            (``max_steps``, or ``max_epochs`` of plain epochs) when the plan is shorter, a PulseCycle in seconds
-            or manual optimization stepping several optimizers per batch; after the fit's first two batches
-            (trained in full, before any replay step), for a module carrying state from one batch to the next
-            (a stateful RNN) or a token loss flattened time-major; at the first step, before any update,
+            ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, a ``GradientAccumulationScheduler``, a
+            per-step LR scheduler built for the run's unplanned length (``max_steps``, or ``max_epochs`` of
+            plain epochs) when the plan is shorter, a PulseCycle in seconds or manual optimization stepping
+            several optimizers per batch; after the fit's first two batches (trained in full, before any
+            replay step), for a module carrying state from one batch to the next (a stateful RNN) or a loss
+            computed time-major (``T == B`` too, by the step run again); at the first step, before any update,
             with a ``scorer`` that raises on the fit's first batch (tried once on ``training_step``'s output);
             without a ``scorer`` (or with rule='infobatch'): for a loss called in a ``fullgraph=True`` part, a
             loss with no per-sample value, or packed rows (graph nodes, packed tokens: more rows than indices,
-            none of B rows) the loss does not split; in ``mode="batch"``, at the first batch, for a batch
-            that cannot be cut in place: immutable, holding nothing per sample (or fewer rows), or time-major.
+            none of B rows) the loss does not split; in ``mode="batch"``, at the first batch, for a batch that
+            cannot be cut in place: immutable, holding nothing per sample (or fewer rows), or time-major.
 
     Example::
 
@@ -111,7 +111,7 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
     ) -> None:
         super().__init__()
         self._one_run = OneRunPerInstance("HardSampleReplay")
-        self.config = ReplayConfig(rule, replay_fraction, prune_ratio, seed)
+        self.config = replay.ReplayConfig(rule, replay_fraction, prune_ratio, seed)
         self.data = ReplayData(self.config, replay.parse_half_life(score_half_life))  # tracker, selector
         self.phases, self.mode = replay.validate_replay_args(phases, mode, rule, scorer, log_every_n_steps)
         self.steps = StepSavingLoader()  # mode="steps": the plan and where the run stands in its data
@@ -222,7 +222,7 @@ class HardSampleReplay(compat.PulseStateKey, Callback):
         planned = compat.total_steps(trainer)  # the run's optimizer steps (inf: unknown)
         self.data.start_training(steps_per_epoch, log_every, planned, self.mode, manual, _warn)
         self.steps.on_train_start(trainer)  # steps mode only: Lightning learns the planned pass's length
-        self.batches.start_fit(trainer.world_size, trainer.optimizers)  # carried state, loss direction
+        self.batches.start_fit(trainer.world_size, trainer.optimizers, step_rerun(trainer, pl_module))
         rank_zero_info(f"HardSampleReplay: {self.config.describe(self.mode, self.phases)}")
 
     # ------------------------------------------------------------------ per batch

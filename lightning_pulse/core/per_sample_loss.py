@@ -145,6 +145,10 @@ class CapturedLoss:
             ``maps_onto_batch`` is false.
         autograd_off: the call ran with autograd off (in a ``torch.no_grad()`` block, or in the forward of a
             reentrant activation checkpoint), so no backward can reach it.
+        samples_along: for a call with ``B`` along both of its first dimensions (or ``B * B`` rows), the
+            dimension that holds the samples where its ``target`` is a view of a batch tensor of ``B`` rows
+            (``0``; ``1`` for ``y.t()``), told by the view's strides; ``None`` otherwise
+            (:mod:`lightning_pulse.core.loss_layout` tells it then).
     """
 
     __slots__ = (
@@ -155,6 +159,7 @@ class CapturedLoss:
         "mean_divisor",
         "why_not",
         "on_batch_rows",
+        "samples_along",
         "grad",
         "node",
         "unreduced",
@@ -180,6 +185,8 @@ class CapturedLoss:
         self.mean_divisor: float | Tensor = float(math.prod(shape))
         self.why_not = "does not split into the batch's samples"  # read only when maps_onto_batch is false
         self.on_batch_rows = False  # computed on the batch's rows, found not to split (a row check said why)
+        # B along both first dimensions: which holds the samples (0, 1), told by a target that views the batch
+        self.samples_along: int | None = None
         # d loss / d (what the caller got), summed over the step's backward calls
         self.grad: Tensor | None = None
         self.node: Any = None  # the autograd node of what the caller got, until the step's loss was accounted
@@ -243,6 +250,33 @@ def _splits(shape: tuple[int, ...], batch_size: int) -> bool:
         return False
     leading = shape[0]
     return leading >= batch_size and leading % batch_size == 0 and math.prod(shape) > 0
+
+
+def ambiguous_sample_dimension(shape: tuple[int, ...], batch_size: int) -> bool:
+    """Whether an unreduced loss of ``shape`` holds ``B`` along both of its first dimensions, or ``B * B`` rows,
+    so that its shape does not tell a batch-first loss from a time-major one whose ``T`` is ``B``."""
+    return batch_size >= 2 and bool(shape) and (shape[0] == batch_size**2 or shape[:2] == (batch_size,) * 2)
+
+
+def _samples_along(target: Any, leaves: list[Tensor], batch_size: int) -> int | None:
+    """The dimension of ``target`` (an unreduced loss's, shaped as it) that holds the batch's samples when it is
+    a view of a batch tensor of ``B`` rows and at least two dimensions: the one that steps through the tensor's
+    rows (``0`` for ``y``, ``1`` for ``y.t()``), or ``0`` for the whole tensor flattened (``y.view(-1)``, sample
+    by sample); ``None`` for anything else (a copy, a tensor computed in ``training_step``)."""
+    if not isinstance(target, Tensor) or target.dim() == 0 or target.is_sparse:
+        return None
+    key = _storage_key(target)
+    for leaf in leaves:
+        if leaf.dim() < 2 or leaf.shape[0] != batch_size or leaf.is_sparse or _storage_key(leaf) != key:
+            continue
+        if target.dim() == 1:
+            flat = leaf.is_contiguous() and target.numel() == leaf.numel() and target.stride(0) == 1
+            return 0 if flat and target.data_ptr() == leaf.data_ptr() else None
+        along = [
+            dim for dim in (0, 1) if target.shape[dim] == batch_size and target.stride(dim) == leaf.stride(0)
+        ]
+        return along[0] if len(along) == 1 else None
+    return None
 
 
 def _requested_reduction(arguments: dict[str, Any]) -> str:
@@ -1063,6 +1097,12 @@ class LossCapture:
                     )
         return None
 
+    def unreduced_losses(self) -> list[tuple[str, Tensor]]:
+        """Each captured call's name and unreduced loss (detached), in call order; empty for a call whose
+        per-sample losses were read already (which drops it)."""
+        empty = torch.empty(0)
+        return [(r.name, empty if r._source is None else r._source[1]) for r in self.records]
+
     def forget_graph(self) -> None:
         """Drop the autograd nodes kept for :meth:`unaccounted_part` (a recorded step is kept for a while)."""
         for record in self.records:
@@ -1205,6 +1245,14 @@ class LossCapture:
             self._check_row_origin(record, arguments)
         elif record.maps_onto_batch and not record.on_batch_rows:
             self._check_rows_are_samples(record, arguments)
+        if (
+            record.maps_onto_batch
+            and self._batch_leaves
+            and ambiguous_sample_dimension(record.shape, self.batch_size)
+        ):
+            record.samples_along = _samples_along(
+                arguments.get("target"), self._batch_leaves, self.batch_size
+            )
         self.records.append(record)
         self._per_sample_count = -1
         return record

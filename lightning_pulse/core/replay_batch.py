@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from lightning_pulse.core.carried_state import BURST_FIRST, CarriedStateCheck
 from lightning_pulse.core.loss_direction import loss_directions, maximizes_loss
+from lightning_pulse.core.loss_layout import sample_dimension_refusal
 from lightning_pulse.core.per_sample_loss import (
     ForwardLossScorer,
     LossCapture,
@@ -252,6 +253,7 @@ class ReplayBatchLifecycle:
         # (LossCapture.signed_coefficients: a device sync each, and a vote of the ranks); none after them
         self._sign_checks_left = SIGN_CHECKED_STEPS
         self.world_size = 1  # ranks > 1: a rank's verdict waits for the others' at the step's end
+        self._rerun: Callable[..., Any] | None = None  # start_fit's: the step run again, for a loss's layout
         self._signed: str | None = None  # the step in flight's refusal, for the ranks' vote
         # over ranks: the first refusal found at this batch's start (for the vote), one kept from a batch the
         # ranks did not vote at for the vote at its step's end, and the refusal agreed on there for
@@ -269,17 +271,23 @@ class ReplayBatchLifecycle:
         # finished by finish_trained_step (a checkpoint saved before the batch end): the batch end's to log
         self._finished_early: StepInFlight | None = None
 
-    def start_fit(self, world_size: int = 1, optimizers: Sequence[Any] = ()) -> None:
+    def start_fit(
+        self, world_size: int = 1, optimizers: Sequence[Any] = (), rerun: Callable[..., Any] | None = None
+    ) -> None:
         """Check this fit's first two batches for carried state anew and enter the capture scope; over
         ``world_size`` ranks, the checks of a fit's first steps that read each rank's own loss are voted
-        on. ``optimizers`` say which way the returned loss goes (:meth:`read_loss_direction`).
+        on. ``optimizers`` say which way the returned loss goes (:meth:`read_loss_direction`). ``rerun``:
+        ``(batch, batch_idx, batch_size, positions) ->`` the captured calls of ``training_step`` run again on
+        the batch's samples at ``positions`` (:func:`lightning_pulse.probe.captured_losses`), with which the
+        fit's first step tells where a loss holds its samples when its shape cannot
+        (:func:`~lightning_pulse.core.loss_layout.sample_dimension_refusal`); ``None``: not told.
 
         Raises:
             PulseRefusal: for parameter groups that mix ``maximize=True`` and ``False`` where the captured
                 losses select (no scorer, a rule other than ``'random'``).
         """
         self.read_loss_direction(optimizers)
-        self.world_size = world_size
+        self.world_size, self._rerun = world_size, rerun
         self.state_check = CarriedStateCheck()
         self.recorded_steps = self.unscored_steps = 0
         self._structure_checked = self._said_coefficients = self._scorer_tried = False
@@ -812,6 +820,10 @@ class ReplayBatchLifecycle:
                 losses = capture
                 if self.state_check.first_batch and found is None:
                     found = time_major_refusal(losses, batch)
+                    if found is None and self._rerun is not None and not finished.rows_unmatched:
+                        # a loss with B along both first dimensions: which holds the samples, by evidence
+                        rerun = partial(self._rerun, batch, finished.batch_idx, losses.batch_size)
+                        found = sample_dimension_refusal(losses, rerun)
             else:  # a later step whose loss does not split (close_capture said so): no scores, every rank alike
                 losses = torch.full((int(plan.roles.size),), math.nan)
         else:

@@ -335,6 +335,8 @@ def take_samples(
     have the same shape, whatever ``batch_size`` (a ``(10,)`` class-weight vector on a last batch of 10)."""
     if _is_per_sample(batch, batch_size, nested) and not (whole and whole.get(where) == _size_of(batch)):
         if isinstance(batch, torch.Tensor):
+            if batch.is_sparse:  # no indexing by a tensor there, only index_select
+                return batch.index_select(0, positions.to(batch.device))
             return batch[positions.to(batch.device)]
         kept = [batch[int(i)] for i in positions]
         return tuple(kept) if isinstance(batch, tuple) else kept
