@@ -1288,6 +1288,22 @@ def gradients_read_before_step(trainer: pl.Trainer, pl_module: pl.LightningModul
     )
 
 
+#: the LightningModule's hooks that Lightning runs between a backward and the optimizer step, where a module's
+#: own code may touch every parameter's gradient (gradient noise, zeroing rows, clipping by hand)
+MODULE_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+
+
+def gradient_reading_hooks(pl_module: pl.LightningModule) -> list[str]:
+    """The module's own hooks, as ``"Class.hook"``, that Lightning runs between a backward and the optimizer
+    step and that may touch every parameter's gradient, so fail on a ``None`` one
+    (:data:`MODULE_GRADIENT_HOOKS`). Where :func:`gradients_read_before_step` asks whether code may need some
+    parameter to have a gradient, this names the module's code that may need each one to. Callbacks are left
+    out: one that only reads (a gradient-norm logger, Lightning's ``grad_norm``) skips a ``None`` gradient, and
+    counting each would cost every fit with such a callback a zero gradient per frozen parameter per step."""
+    name = type(pl_module).__name__
+    return [f"{name}.{hook}" for hook in MODULE_GRADIENT_HOOKS if is_overridden(hook, pl_module)]
+
+
 def prepare_evaluation_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:
     """A batch fresh from a validation DataLoader made ready for ``validation_step`` as Lightning's evaluation
     loop makes it: the precision plugin's input conversion (``64-true``, ``bf16-true``), the module's

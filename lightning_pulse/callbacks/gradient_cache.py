@@ -172,9 +172,9 @@ class GradientCache(compat.PulseStateKey, Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refuse_logger_only_monitors(trainer, "GradientCache", "gradient_cache/")
-        # again after configure_model, the place Lightning documents for torch.compile, which runs after setup
-        refuse_compiled_module(compat.compiled_trainable_part(pl_module))
+        refuse_compiled_module(compat.compiled_trainable_part(pl_module))  # again: configure_model compiles
         self._lifecycle.check_fit_start(trainer.strategy, pl_module, trainer.world_size, trainer.optimizers)
+        self._lifecycle.stand_in_for(compat.gradient_reading_hooks(pl_module), rank_zero_info)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -54,6 +54,7 @@ from lightning_pulse.core.freeze_units import (
 )
 from lightning_pulse.core.func_transforms import transform_active, unwrapped
 from lightning_pulse.core.snapshots import hook_around_steps, is_zero_redundancy, runs_step_hooks
+from lightning_pulse.core.stand_in_gradients import StandInGradients
 from lightning_pulse.errors import PulseRefusal, refuse_sharded_strategy
 from lightning_pulse.phase import KNOWN_LENGTH
 from lightning_pulse.records import append_recent
@@ -1274,6 +1275,9 @@ class FreezerLifecycle:
         # the wrap): its reducer left them out, so their gradients are never averaged once they train
         self.frozen_before_wrap: set[int] = set()
         self.optimizer_check = GradlessStepCheck()  # whether the optimizer leaves frozen parameters alone
+        # zero gradients for frozen parameters while the module's own hooks may read every gradient (started
+        # at fit start, where those hooks are known): given after each backward, None again at the step
+        self.stand_in = StandInGradients()
         # the fit's optimizers (from fit start): a parameter outside the units none holds, with no gradient,
         # does not train (LayerFreezer._outside_trains); None before, as for a freezer used on its own
         self.optimizers: list[torch.optim.Optimizer] | None = None
@@ -1375,11 +1379,20 @@ class FreezerLifecycle:
         refuse_optimizers_that_move_gradless_parameters(optimizers)
         self.optimizer_check.attach(optimizers)  # frozen parameters put back right after a wrapper's step
 
+    def stand_in_for(self, readers: Sequence[str], info: Callable[[str], None] | None = None) -> None:
+        """At fit start, after :meth:`check_fit_start`: where the module's own hooks (``readers``, as
+        ``"Class.hook"``) may touch every parameter's gradient between a backward and the step, give the frozen
+        parameters zero gradients after each backward and ``None`` again as the optimizer updates
+        (:class:`~lightning_pulse.core.stand_in_gradients.StandInGradients`); ``info`` says so once. Nothing
+        (and no cost) without ``readers``."""
+        self.stand_in.start(readers, self.optimizers or (), info)
+
     def follow_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Look at the fit's optimizers now (in the list the freezer shares): a recipe unfreezing a backbone
         may have replaced them (``trainer.strategy.setup_optimizers``)."""
         if self.optimizers is not None:
             self.optimizers[:] = list(optimizers)
+            self.stand_in.attach(self.optimizers)  # nothing while off
 
     @property
     def resumed_first_batch(self) -> bool:
@@ -1492,6 +1505,8 @@ class FreezerLifecycle:
         built = self.trace is not None and self.trace.running and self._order_waiting(broadcast)
         self._group_functions(broadcast)
         self._check_lost_gradients(broadcast)
+        if self.stand_in.readers:  # the module's gradient hooks come next: zeros for the frozen parameters
+            self.stand_in.give(self._frozen_parameters())
         return built or bool(self._notes)
 
     def _group_functions(self, broadcast: Callable[[list[Any]], list[Any]] | None) -> None:
@@ -1706,6 +1721,8 @@ class FreezerLifecycle:
             ]
         held = [param for i in report.held for param in freezer.units[i].params]
         self.optimizer_check.before_step(optimizers, held, self.repeats_closure)  # none held: copies dropped
+        if self.stand_in.readers:  # the zeros it dropped, for the module's hooks (taken back at the update)
+            self.stand_in.give(self._frozen_parameters())
         return report
 
     def record_step(
@@ -1750,6 +1767,8 @@ class FreezerLifecycle:
             self.freezer.drop_frozen_gradients()
         for param in self._released_now:  # released at this step's first evaluation: train from the next
             param.grad = None
+        if self.stand_in.readers:  # zeros again for the module's hooks at this evaluation too
+            self.stand_in.give([*self._frozen_parameters(), *self._released_now])
         return True
 
     def follow_phase(self, enabled: bool, resume: bool = False) -> int | None:
@@ -1775,6 +1794,7 @@ class FreezerLifecycle:
         back where they were, every unit is released and nothing freezes again: returns the frozen prefix
         before that; ``None`` otherwise."""
         self._step_counted, self._released_now, self._retraced_before = False, [], None
+        self.stand_in.take_back()  # a step that never came (an AMP skip): nothing released starts from zeros
         if not self.optimizer_check.after_step(agree):
             return None
         before = self.frozen_prefix
@@ -1972,6 +1992,7 @@ class FreezerLifecycle:
         """Turn back on every parameter the freezer turned off, so the module leaves the fit as it came in."""
         self._ended, self._wrapped, self._opened_gradients, self._sync_flag = True, None, [], False
         self.optimizer_check.detach()
+        self.stand_in.detach()
         self.optimizers = None  # their state is not kept past the fit; unknown again, as for a freezer alone
         if self.freezer is not None:
             self.freezer.optimizers = None

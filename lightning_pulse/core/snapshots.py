@@ -1396,7 +1396,7 @@ def hook_around_steps(optimizer: torch.optim.Optimizer, hooks: StepHooks) -> lis
 
 
 class StepHooks(Protocol):
-    def _enter(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None: ...
+    def _enter(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None: ...
 
     def _leave(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None: ...
 
@@ -1423,7 +1423,9 @@ class StepThrough:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         optimizer = self.optimizer
         optimizer._opt_called = True  # type: ignore[attr-defined]  # as an LR scheduler's wrapper records
-        self.hooks._enter(optimizer, args, kwargs)
+        changed = self.hooks._enter(optimizer, args, kwargs)
+        if changed is not None:  # new arguments, as torch takes them from a step pre hook
+            args, kwargs = changed
         step = self.previous or type(optimizer).step.__get__(optimizer)
         result = step(*args, **kwargs)
         self.hooks._leave(optimizer, args, kwargs)
