@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from copy import copy as shallow_copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,31 @@ def scripted_modules(model: nn.Module) -> set[str]:
     a ScriptModule refuses forward hooks, and its forward reads its weights inside TorchScript, so a mask
     could neither be added nor reach the weight it computes."""
     return {name for name, module in model.named_modules() if isinstance(module, torch.jit.ScriptModule)}
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors ``value`` is or holds, in lists, tuples and mappings at any depth (an HF ``ModelOutput``
+    is a mapping)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+
+
+@contextmanager
+def hooks_on(modules: Iterable[nn.Module], register: Callable[[nn.Module], Any]) -> Iterator[None]:
+    """``register(module)`` (a ``register_*_hook`` call, giving its handle) for each of ``modules`` inside
+    the block, the hooks removed after. A ``torch.jit.script``'ed module refuses hooks and is left out."""
+    handles = [register(module) for module in modules if not isinstance(module, torch.jit.ScriptModule)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _old_style_norm(module: nn.Module) -> bool:

@@ -38,7 +38,7 @@ from torch.nn import functional as F
 from torch.nn.utils import prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 
-from lightning_pulse.core import prune_targets, prune_widths, user_hooks
+from lightning_pulse.core import prune_dead_branches, prune_targets, prune_widths, user_hooks
 from lightning_pulse.core.carried_state import (
     WEIGHT_HOOKS,
     hook_weight_name,
@@ -794,11 +794,16 @@ def _most_elements_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 def build_dependency_graph(
-    model: nn.Module, example_inputs: Any, precision: RunPrecision | None = None
+    model: nn.Module, example_inputs: Any, precision: RunPrecision | None = None, dead_branches: bool = False
 ) -> Any:
     """torch-pruning's dependency graph of ``model``, traced with ``model(*args)`` (``model(**kwargs)`` for a
     mapping; :func:`inputs_for` with ``precision``); ``graph.reused_modules`` holds the modules called more
     than once in that forward.
+
+    ``dead_branches``: the outputs of the layers that run but whose outputs the model's output does not reach
+    (a WaveNet's discarded last residual) are handed to torch-pruning beside the model's
+    (:mod:`~lightning_pulse.core.prune_dead_branches`), so their inputs follow a cut and their outputs are
+    never cut; ``graph.dead_branches`` names those layers (``[]`` without the flag, or with none found).
 
     The tracer switches the model to eval mode and leaves it there; we put every module back in the mode it
     had, since this runs in the middle of training. It follows the autograd graph, so every parameter requires
@@ -822,9 +827,9 @@ def build_dependency_graph(
             parameter.requires_grad_(True)
         # a forward drawing random numbers (ViTMAE's mask) must not move the run's generators at each event
         with _counting_calls(model.modules()) as calls, torch.random.fork_rng(devices=_cuda_devices(model)):
-            with torch.enable_grad():
+            with torch.enable_grad(), _dead_branches_traced(model, dead_branches) as (forward, dead):
                 graph = tp.DependencyGraph().build_dependency(
-                    model, example_inputs=inputs, forward_fn=call_with, verbose=False
+                    model, example_inputs=inputs, forward_fn=forward, verbose=False
                 )
     finally:
         for parameter in frozen:
@@ -835,7 +840,51 @@ def build_dependency_graph(
     graph.reused_modules = {
         m for m, number in calls.items() if number > 1 and any(True for _ in m.parameters())
     }
+    graph.dead_branches = list(dead.layers)
     return graph
+
+
+@contextmanager
+def _dead_branches_traced(
+    model: nn.Module, traced: bool
+) -> Iterator[tuple[Callable[[nn.Module, Any], Any], prune_dead_branches.DeadBranches]]:
+    """The forward to trace ``model`` with, and what it found: :func:`call_with` as it is unless ``traced``,
+    else one returning the dead branches' outputs beside the model's (:func:`prune_dead_branches.find`)."""
+    found = prune_dead_branches.DeadBranches()
+    if not traced:
+        yield call_with, found
+        return
+    names = {module: name for name, module in model.named_modules()}
+    with prune_dead_branches.recording_outputs(model) as produced:
+
+        def forward(module: nn.Module, example: Any) -> Any:
+            produced.clear()
+            output = call_with(module, example)
+            dead = prune_dead_branches.find(output, produced, names)
+            produced.clear()
+            found.layers[:] = dead.layers
+            return [output, *dead.outputs] if dead.outputs else output
+
+        yield forward, found
+
+
+def dead_branch_layers(model: nn.Module, example: Any, precision: RunPrecision | None = None) -> list[str]:
+    """The names of ``model``'s layers that run on ``example`` but whose outputs its output does not reach
+    (:mod:`~lightning_pulse.core.prune_dead_branches`), found by one forward of a copy in eval mode with
+    every parameter requiring grad, as a trace runs it; ``[]`` where the copy does not run."""
+    duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
+    for parameter in duplicate.parameters():
+        if not nn.parameter.is_lazy(parameter) and (parameter.is_floating_point() or parameter.is_complex()):
+            parameter.requires_grad_(True)
+    names = {module: name for name, module in duplicate.named_modules()}
+    try:
+        inputs = inputs_for(duplicate, as_traced(example), precision)
+        with torch.random.fork_rng(devices=_cuda_devices(duplicate)), torch.enable_grad():
+            with prune_dead_branches.recording_outputs(duplicate) as produced:
+                output = call_with(duplicate, inputs)
+                return prune_dead_branches.find(output, produced, names).layers
+    except Exception:  # only the check's second try needs this: the trial cut said why the model is not cut
+        return []
 
 
 @contextmanager
@@ -848,16 +897,8 @@ def _counting_calls(modules: Iterable[nn.Module]) -> Iterator[dict[nn.Module, in
     def count(module: nn.Module, args: Any) -> None:
         calls[module] = calls.get(module, 0) + 1
 
-    handles = [
-        module.register_forward_pre_hook(count)
-        for module in modules
-        if not isinstance(module, torch.jit.ScriptModule)
-    ]
-    try:
+    with prune_targets.hooks_on(modules, lambda module: module.register_forward_pre_hook(count)):
         yield calls
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @dataclass
@@ -1185,7 +1226,7 @@ def remap_optimizer_state(
                     )
                     break
                 moved[key] = ParameterRemap.apply(value, old_shape, new.shape, kept)
-            elif any(tensor.numel() > 1 for tensor in _tensors_in(value)):
+            elif any(tensor.numel() > 1 for tensor in prune_targets.tensors_in(value)):
                 moved = None
                 what = (
                     f"of shape {tuple(value.shape)}"
@@ -1211,7 +1252,7 @@ def remap_optimizer_state(
         flat = [
             key
             for key, value in optimizer.state[parameter].items()
-            if any(t.numel() == total_before != parameter.numel() for t in _tensors_in(value))
+            if any(t.numel() == total_before != parameter.numel() for t in prune_targets.tensors_in(value))
         ]
         if flat:
             del optimizer.state[parameter]
@@ -1273,18 +1314,6 @@ def _one_side_matrix(value: torch.Tensor, new_shape: torch.Size) -> str | None:
     if float((norms - 1).abs().max()) <= tolerance:  # a weight's copy drawn at 1/sqrt(n) scale is farther
         return "has orthonormal rows and columns"
     return None
-
-
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors ``value`` is or holds, in lists, tuples and mappings at any depth."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item)
 
 
 def _index_shadow(module: nn.Module) -> nn.Module:
@@ -1415,15 +1444,18 @@ def prune_channels(
     min_channels: int = 1,
     precision: RunPrecision | None = None,
     frozen: Collection[str] = (),
+    dead_branches: bool = False,
 ) -> StructuredResult:
     """Physically remove channels so that ``sparsity`` of the original channels of ``layers`` are gone.
 
     ``original_channels`` maps root names to their channel count before any pruning; groups seen for the
     first time are added to it (so pass the same dict on every call). ``precision``: see :func:`inputs_for`.
     ``frozen``: names of the layers the user froze; no group that would cut one of them is cut.
+    ``dead_branches``: trace the layers whose outputs the forward discards too
+    (:func:`build_dependency_graph`).
     """
     with kept_through_trace(model):  # the live model: the cut comes after, on what the fit had
-        graph = build_dependency_graph(model, example_inputs, precision)
+        graph = build_dependency_graph(model, example_inputs, precision, dead_branches)
     blocked: dict[str, list[str]] = {}
     groups = channel_groups(graph, model, layers, frozen, blocked)
     for channel_group in groups:
@@ -1449,10 +1481,12 @@ def replay_structure(
     history: Sequence[Sequence[Any]],
     precision: RunPrecision | None = None,
     events: Sequence[int] | None = None,
+    dead_branches: bool = False,
 ) -> str | None:
     """Re-apply recorded structured pruning to a freshly built ``model``, so a pruned state dict fits it
     (``precision``: see :func:`inputs_for`). ``events``: how many of the ``history`` entries each event cut
     (:attr:`Pruner.history_events`; ``None``: all as one event, as recorded before it was kept).
+    ``dead_branches``: traced as the run traced them (:attr:`Pruner.trace_dead_branches`).
 
     Each event's entries are replayed on a graph traced anew, as the fit traced one per event: the indices
     of a gated layer's ``chunk(2)`` split in a graph are those of the widths it was traced at, so entries of
@@ -1469,7 +1503,7 @@ def replay_structure(
         }
         try:
             with kept_through_trace(model):  # a resume replays on the live module
-                graph = build_dependency_graph(model, example_inputs, precision)
+                graph = build_dependency_graph(model, example_inputs, precision, dead_branches)
             untraced = [name for name, _, _ in entries if named.get(name) not in graph.module2node]
             if untraced:
                 return (
@@ -1583,8 +1617,16 @@ def check_structured(
     layers the user froze are left out: :data:`FROZEN_LEFT_OUT`, :data:`FROZEN_AND_UNCUTTABLE`; a buffer the
     cut leaves shaped like a parameter it changes: :data:`UNCUT_BUFFER`; an AveragedModel copy of a part the
     cut changes, left as it is: :data:`UNCUT_AVERAGE`), or ``None``.
+
+    A cut that fails on a model with dead branches (layers the forward runs and discards the outputs of) is
+    checked again with them traced (:func:`_retried_with_dead_branches`); where that one passes,
+    :attr:`Pruner.trace_dead_branches` is set, so the events trace them too.
     """
+    traced_before = pruner.trace_dead_branches
     reason, where = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example)
+    dead: list[str] = []
+    if reason is not None and reason.startswith(CUT_FAILED) and not traced_before:
+        reason, where, dead = _retried_with_dead_branches(model, pruner, sparsities, example, reason, where)
     if reason is not None and reason.startswith("tracing which channels"):
         if ON_HYPER_CONNECTION_STREAMS in reason:  # only the groups reaching the streams never end
             hint = _stream_writers_way_out(model, pruner, sparsities, example)
@@ -1615,7 +1657,41 @@ def check_structured(
             or _shared_left_out(model, pruner)
             or reason
         )
+    if reason is not None:
+        pruner.trace_dead_branches = traced_before
+        if dead:
+            reason = f"{reason}; {DEAD_BRANCHES_CHECKED}: {first_names(dead, 3)}"
     return reason
+
+
+def _retried_with_dead_branches(
+    model: nn.Module,
+    pruner: Pruner,
+    sparsities: Sequence[float],
+    example: Any,
+    reason: str,
+    where: str | None,
+) -> tuple[str | None, str | None, list[str]]:
+    """The trial cut that failed with ``reason`` in ``where`` done again with the dead branches traced, where
+    the model has any (:func:`dead_branch_layers`): its reason and module, and the dead layers' names, with
+    :attr:`Pruner.trace_dead_branches` set (``reason``, ``where`` and ``[]`` without dead layers).
+
+    Tried only once the ordinary trace's cut failed: a forward that discards a loss (HF DETR's) holds no dead
+    layer and traces as before, and the ordinary trace's graph is the one every model that passes keeps. A
+    cut that fails the same way with them traced (they play no part), or a search that runs out of time with
+    them, gives back the first failure and the ordinary trace (without the names where they play no part)."""
+    dead = dead_branch_layers(model, example, pruner.run_precision)
+    if not dead:
+        return reason, where, []
+    pruner.trace_dead_branches = True
+    retried, retried_where = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example)
+    if (retried, retried_where) == (reason, where):  # the dead branches play no part (an unused HF pooler)
+        pruner.trace_dead_branches = False
+        return reason, where, []
+    if retried is not None and retried.startswith("tracing which channels"):
+        pruner.trace_dead_branches = False
+        return reason, where, dead
+    return retried, retried_where, dead
 
 
 def _min_channels_floor(
@@ -1632,7 +1708,9 @@ def _min_channels_floor(
         return None
     duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
     try:
-        graph = build_dependency_graph(duplicate, as_traced(example), pruner.run_precision)
+        graph = build_dependency_graph(
+            duplicate, as_traced(example), pruner.run_precision, pruner.trace_dead_branches
+        )
     except Exception:  # only a message needs this: the trial cut above traced the same model
         return None
     trial = pruner.for_trial()  # the trial cut's selection: user-frozen layers stay out
@@ -1715,7 +1793,7 @@ def _called_more_than_once(model: nn.Module, pruner: Pruner, example: Any) -> st
             call_with(duplicate, inputs_for(duplicate, as_traced(example), pruner.run_precision))
     except Exception:  # only a message needs this: the trial cut said why the model cannot be cut
         return None
-    outputs = set(output_layers(model, layers, example, pruner.run_precision))
+    outputs = set(output_layers(model, layers, example, pruner.run_precision, pruner.trace_dead_branches))
     repeated = {
         name: calls.get(layer, 0)
         for name, layer in layers.items()
@@ -1737,7 +1815,9 @@ def _nothing_to_cut_with_frozen(
     selection = pruner.selection(model)
     left_out = [name for name in selection.left_out if name in pruner.user_frozen]
     unfrozen = _trial_cut(model, pruner, pruner.exclude_pattern, sparsities, example, frozen=frozenset())[0]
-    outputs = output_layers(model, selection.layers, example, pruner.run_precision)
+    outputs = output_layers(
+        model, selection.layers, example, pruner.run_precision, pruner.trace_dead_branches
+    )
     others = [name for name in selection.layers if name not in outputs]
     if unfrozen is None and (others or not left_out):
         frozen = first_names(sorted(pruner.user_frozen), 3)
@@ -1765,15 +1845,20 @@ def _nothing_to_cut_with_frozen(
 
 
 def output_layers(
-    model: nn.Module, layers: Mapping[str, nn.Module], example: Any, precision: RunPrecision | None = None
+    model: nn.Module,
+    layers: Mapping[str, nn.Module],
+    example: Any,
+    precision: RunPrecision | None = None,
+    dead_branches: bool = False,
 ) -> list[str]:
     """The names of ``layers`` whose output channels reach the model's output (the classifier giving the
     logits): a cut of them changes the output's shape, so they are never cut. Traced on a copy of ``model``
-    with ``example``; ``[]`` when the trace fails."""
+    with ``example`` (the dead branches too with ``dead_branches``, whose outputs count then:
+    :func:`build_dependency_graph`); ``[]`` when the trace fails."""
     duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
     named = dict(duplicate.named_modules())
     try:
-        graph = build_dependency_graph(duplicate, as_traced(example), precision)
+        graph = build_dependency_graph(duplicate, as_traced(example), precision, dead_branches)
     except Exception:  # only a message needs this: a model the trace fails on is refused for that already
         return []
     found = []
@@ -1885,6 +1970,11 @@ UNTRACEABLE_OUTPUT = (
 )
 #: how the reason for a dependency search that ran out of time names a loss in the model's output
 LOSS_IN_OUTPUT = "the model's output holds its loss"
+#: how a refusal says that the trial cut was checked again with the dead branches traced, naming their layers
+DEAD_BRANCHES_CHECKED = (
+    "the trial cuts traced too the layers whose outputs the forward runs and discards (a dead branch, which "
+    "torch-pruning's trace of the output alone does not see)"
+)
 #: the reason for a trial cut that cut nothing
 NOTHING_TO_CUT = "no channel group of the selected layers can be cut safely"
 #: the start of the reason for a trial cut that cut nothing because of ``min_channels``
@@ -2099,7 +2189,7 @@ def _layer_search(
     chosen = _chosen(model, pruner, current)
     named = {name: model.get_submodule(name) for name in chosen}
     try:
-        outputs = set(output_layers(model, named, example, pruner.run_precision))
+        outputs = set(output_layers(model, named, example, pruner.run_precision, pruner.trace_dead_branches))
     # only a message needs this: torch-pruning's own search can fail (a GRU's index mapping)
     except Exception:
         outputs = set()
@@ -2267,7 +2357,9 @@ def _hook_way_out(
     duplicate = copy_without_hooks(model, keep_user_hooks=True).eval()
     named = dict(duplicate.named_modules())
     try:
-        graph = build_dependency_graph(duplicate, as_traced(example), pruner.run_precision)
+        graph = build_dependency_graph(
+            duplicate, as_traced(example), pruner.run_precision, pruner.trace_dead_branches
+        )
     except Exception:  # only a message needs this: the trial cut said why the model cannot be cut
         return None
     target = named[hooked]
@@ -3047,6 +3139,9 @@ class Pruner:
             (:func:`~lightning_pulse.core.prune_setup.structured_example`).
         run_precision: structured: how the run's precision plugin hands a batch over, set at fit
             start (:func:`inputs_for`); ``None`` outside a fit: guessed from the model's parameters.
+        trace_dead_branches: structured: every trace also hands torch-pruning the outputs of the layers the
+            forward runs and discards (:func:`build_dependency_graph`); set at fit start by
+            :func:`check_structured` where only that trace's trial cut passes, saved in checkpoints.
     """
 
     def __init__(
@@ -3092,6 +3187,7 @@ class Pruner:
         #: (:class:`~lightning_pulse.core.prune_targets.OwnWeightWatch`)
         self.not_trained: dict[str, str] = {}
         self.run_precision: RunPrecision | None = None
+        self.trace_dead_branches = False
 
     def for_trial(
         self,
@@ -3113,6 +3209,7 @@ class Pruner:
         )
         trial.user_frozen, trial.run_precision = self.user_frozen, self.run_precision
         trial.not_trained = dict(self.not_trained)
+        trial.trace_dead_branches = self.trace_dead_branches
         return trial
 
     def selection(self, model: nn.Module) -> LayerSelection:
@@ -3184,6 +3281,7 @@ class Pruner:
             self.min_channels,
             self.run_precision,
             self.user_frozen,
+            self.trace_dead_branches,
         )
         self.history.extend(result.history)
         if result.history:
@@ -3240,6 +3338,7 @@ class Pruner:
             "layer_channels": dict(self.layer_channels),
             "original_params": self.original_params,
             "not_trained": dict(self.not_trained),
+            "trace_dead_branches": self.trace_dead_branches,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -3254,6 +3353,8 @@ class Pruner:
         self.layer_channels = dict(state.get("layer_channels", self.original_channels))
         self.original_params = state.get("original_params")
         self.not_trained = dict(state.get("not_trained", {}))
+        # from before it was kept: the ordinary trace, the only one there was
+        self.trace_dead_branches = bool(state.get("trace_dead_branches", False))
 
 
 def why_left_out(
@@ -3459,7 +3560,10 @@ def fit_to_state_dict(
         return
     example = _example_in_module_dtype(module, state_dict, prefix, keys, recorded)
     events = recorded.get("history_events")
-    unreplayed = replay_structure(module, example, recorded["history"], trace_precision, events)
+    dead_branches = bool(recorded.get("trace_dead_branches", False))
+    unreplayed = replay_structure(
+        module, example, recorded["history"], trace_precision, events, dead_branches
+    )
     if unreplayed is None and not any(
         prune_widths.sets_widths_of(module.get_submodule(key.rpartition(".")[0]))
         for key in _shapes_to_fit(module, state_dict, prefix, keys)
