@@ -7,6 +7,7 @@ does not go back, so a rollback into the warm-up left the run at its warm-up rat
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +35,8 @@ class _WarmupByHand(pl.LightningModule):
         optimizer = torch.optim.SGD(self.parameters(), lr=BASE_LR, momentum=0.9)
         if not self.scheduled:
             return optimizer
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        # chainable: each step multiplies the group's current rate, so a rate not rewound would carry on
+        schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
@@ -80,4 +82,36 @@ def test_a_rollback_still_rewinds_a_scheduler_and_the_rate_it_drives():
     schedule = trainer.lr_scheduler_configs[0].scheduler
     # the schedule went back to step 5's (6 steps taken back; the rolled-back step does not step it either)
     assert schedule.last_epoch == 24 - (FAULT_AT - 5) - 1
-    assert model.rates[-1] == BASE_LR / (1 + schedule.last_epoch)
+    assert model.rates[-1] == pytest.approx(BASE_LR * 0.9**schedule.last_epoch, rel=1e-9)
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An SGD that keeps a step counter in its parameter groups, as schedule-free optimizers (``k``) and
+    Prodigy (``d``) keep theirs."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            group["k"] = group.get("k", 0) + 1
+        return loss
+
+
+def test_a_rollback_returns_the_counters_an_optimizer_keeps_in_its_groups():
+    class _Counting(_WarmupByHand):
+        def configure_optimizers(self):
+            return _CountingSGD(self.parameters(), lr=BASE_LR, momentum=0.9)
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=generator)
+    y = (x @ torch.randn(16, 4, generator=generator)).argmax(1)
+    model = _Counting()
+    guard = StabilityGuard(
+        warmup=5, snapshot_every=5, max_snapshots=3, rollback_margin=6, skip_after_rollback=2
+    )
+    trainer = pl.Trainer(max_steps=24, callbacks=[guard], **trainer_kwargs())
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
+    assert [event["to_step"] for event in guard.events if event["event"] == "rollback"] == [5]
+    # back to the snapshot's 5, then one per applied step after the rollback: steps 12-23 less the skip
+    # window's 2 (kept at the incident's 11 instead, it would end at 21)
+    assert trainer.optimizers[0].param_groups[0]["k"] == 5 + (24 - (FAULT_AT + 1) - 2)
+    assert model.rates[-1] == BASE_LR

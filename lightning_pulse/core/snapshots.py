@@ -719,9 +719,9 @@ def restore_snapshot(
     untouched, so it can be restored again.
 
     Args:
-        rewind_schedule: ``True`` also returns the LR schedulers and the hyperparameters (``lr``, momentum,
-            ...) of the optimizers they drive to the snapshot; an optimizer no scheduler drives keeps its
-            current ones (a rate set by hand, which nothing would set again). ``False`` keeps the current
+        rewind_schedule: ``True`` also returns the LR schedulers and the optimizers' hyperparameters
+            (``lr``, momentum, ...) to the snapshot, but for the ``lr`` of an optimizer no scheduler drives
+            (a rate set by hand, which nothing would set again). ``False`` keeps the current
             schedulers and hyperparameters, so a step-indexed schedule stays where the trainer's step
             counter is.
 
@@ -781,8 +781,10 @@ def restore_snapshot(
     for index, (optimizer, state) in enumerate(zip(optimizers, snapshot.optimizers)):
         # an optimizer no LR scheduler drives keeps the rate its module or a callback set: nothing would set
         # the snapshot's again (a warm-up by hand in ``optimizer_step``, keyed on the step counter, which
-        # does not go back, left a run at its warm-up rate for good after a rollback into the warm-up)
-        rewinds = rewind_schedule and (
+        # does not go back, left a run at its warm-up rate for good after a rollback into the warm-up). Only
+        # the rate: the counters an optimizer keeps in its groups (schedule-free's ``k`` and ``weight_sum``,
+        # Prodigy's ``d``) go back with its state (a review)
+        hand_set = rewind_schedule and not (
             scheduled is None or any(id(inner) in scheduled for inner in optimizers_within([optimizer]))
         )
         current_hyperparameters = [
@@ -796,9 +798,11 @@ def restore_snapshot(
         loads = [(optimizer, state), *zip(within, inner)]
         load_keeping_groups([(owner, copy.deepcopy(saved)) for owner, saved in loads])
         for group, hyperparameters in zip(optimizer.param_groups, current_hyperparameters):
-            if rewinds:  # keep the keys a scheduler set since (``initial_lr``, SWALR's ``swa_lr``)
+            if rewind_schedule:  # keep the keys a scheduler set since (``initial_lr``, SWALR's ``swa_lr``)
                 for name, value in hyperparameters.items():
                     group.setdefault(name, value)
+                if hand_set and "lr" in hyperparameters:
+                    group["lr"] = hyperparameters["lr"]
             else:
                 group.update(hyperparameters)
     if rewind_schedule:
