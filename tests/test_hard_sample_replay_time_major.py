@@ -506,6 +506,34 @@ def test_batch_first_sequence_models_as_long_as_the_batch_train_and_score_each_s
     assert (scores - truth).abs().max() < 1e-4
 
 
+class _MaskedTagger(pl.LightningModule):
+    """A batch-first masked-token model as masked-LM recipes write it: ``training_step`` draws a mask over the
+    (B, T) tokens and scores only the masked positions (``ignore_index``), T equal to B."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(VOCAB + 1, 16), torch.nn.Linear(16, VOCAB)
+        self.rnn = torch.nn.LSTM(16, 16, batch_first=True)
+
+    def training_step(self, batch, batch_idx):
+        tokens = batch[1][:, :SEQ]
+        masked = torch.rand(tokens.shape) < 0.3
+        labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
+        hidden, _ = self.rnn(self.emb(torch.where(masked, torch.full_like(tokens, VOCAB), tokens)))
+        return F.cross_entropy(self.out(hidden).reshape(-1, VOCAB), labels.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_batch_first_masked_lm_as_long_as_the_batch_is_not_taken_for_time_major(tmp_path):
+    # the check's two runs draw the same mask, tied to positions, not to samples: each row's loss follows its
+    # mask, not its sample, so the rows' means neither moved with the samples nor changed (a review: refused
+    # as time-major). The samples left in place keep their losses whatever the draws: their rows decide
+    replay, trainer = _fit_sequences(_MaskedTagger(), _token_pairs(), tmp_path)
+    assert trainer.global_step == 4
+
+
 def test_the_layout_check_leaves_the_training_as_it_was(monkeypatch, tmp_path):
     # dropout and SGD: the check's runs of training_step draw no random number and write no weight or buffer,
     # so the fit trains as one whose check never ran

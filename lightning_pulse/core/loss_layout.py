@@ -74,6 +74,25 @@ def rows_follow_the_samples(before: Tensor, after: Tensor, order: Tensor, batch_
     return None
 
 
+def where_the_swapped_samples_changed(
+    before: Tensor, after: Tensor, swapped: Tensor, batch_size: int
+) -> bool | None:
+    """Whether ``after``, computed on the batch with the samples at the positions ``swapped`` (a boolean mask
+    of ``B``) exchanged among themselves and the others where they were, changed only in rows those samples
+    hold: ``True`` where the loss (read as ``(B, B, ...)``) changed in the swapped rows outside the swapped
+    columns and nowhere in the other rows; ``False`` for the reverse (its second dimension holds the samples:
+    time-major); ``None`` where neither. Unlike :func:`rows_follow_the_samples` it holds where the step draws
+    random numbers tied to positions (a masked-LM's mask: both runs draw the same): the samples left in place
+    keep their losses whatever those draws are (a review: an 8x8 masked-LM was refused as time-major)."""
+    grid = [loss.detach().float().cpu().reshape(batch_size, batch_size, -1) for loss in (before, after)]
+    scale = EXACT * float(torch.nan_to_num(grid[0]).abs().mean()) + 1e-12
+    changed = (torch.nan_to_num(grid[1] - grid[0], nan=1.0).abs() > scale).any(dim=2)
+    swapped = swapped.cpu()
+    rows_only = bool(changed[swapped][:, ~swapped].any()) and not bool(changed[~swapped][:, swapped].any())
+    columns_only = bool(changed[~swapped][:, swapped].any()) and not bool(changed[swapped][:, ~swapped].any())
+    return True if rows_only else False if columns_only else None
+
+
 def sample_dimension_refusal(capture: LossCapture, rerun: Rerun | None) -> str | None:
     """Why HardSampleReplay must refuse ``capture``'s losses (after its name, with the way out), or ``None``.
 
@@ -96,10 +115,12 @@ def sample_dimension_refusal(capture: LossCapture, rerun: Rerun | None) -> str |
     if not positions or rerun is None:
         return None
     size = capture.batch_size
-    # an order from a generator of its own (nothing drawn from the run's), no sample left in place
-    order = torch.randperm(size, generator=torch.Generator().manual_seed(0))
-    if bool((order == torch.arange(size)).any()):
-        order = torch.roll(torch.arange(size), 1)
+    # the first half's samples exchanged in pairs, the others left in place: where the loss changes tells
+    # which dimension holds the samples (where_the_swapped_samples_changed), and each row's mean whether it
+    # moved with its sample (rows_follow_the_samples)
+    half = max(2, size // 2 - (size // 2) % 2)
+    order = torch.arange(size)
+    order[:half] = order[:half].reshape(-1, 2).flip(1).reshape(-1)
     try:
         before, after = rerun(torch.arange(size)), rerun(order)
         verdicts = _verdicts(records, positions, before, after, order, size)
@@ -144,8 +165,12 @@ def _verdicts(
         runs = [calls[position] if position < len(calls) else None for calls in (before, after)]
         if any(run is None or run[0] != record.name or tuple(run[1].shape) != record.shape for run in runs):
             verdicts.append(_DIFFERED)
-        else:
-            verdicts.append(rows_follow_the_samples(runs[0][1], runs[1][1], order, size))
+            continue
+        swapped = order != torch.arange(size)
+        where = where_the_swapped_samples_changed(runs[0][1], runs[1][1], swapped, size)
+        verdicts.append(
+            rows_follow_the_samples(runs[0][1], runs[1][1], order, size) if where is None else where
+        )
     return verdicts
 
 
