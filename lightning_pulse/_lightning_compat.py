@@ -194,8 +194,11 @@ class SkippedStepLogs:
     def _logged(self) -> Any:
         return None if self._results is None else self._results()
 
-    def step_starts(self) -> None:
-        """At the first micro-batch of an optimizer step: hold every logged result's figures, by reference."""
+    def step_starts(self) -> dict[str, tuple[Any, Any, int, Any]]:
+        """At the first micro-batch of an optimizer step: hold every logged result's figures, by reference.
+        Returns the figures held before: those of a window that ended without an optimizer step, which
+        :meth:`hold` puts back where that window goes on into this step."""
+        held = self._at_start
         if (results := self._logged()) is not None:
             self._at_start = {
                 key: (
@@ -206,6 +209,11 @@ class SkippedStepLogs:
                 )
                 for key, result in results.items()
             }
+        return held
+
+    def hold(self, held: dict[str, tuple[Any, Any, int, Any]]) -> None:
+        """Hold ``held`` (from :meth:`step_starts`) as the figures at the current step's start."""
+        self._at_start = held
 
     def take_out(self) -> None:
         """At the batch end of a skipped step: put back the epoch's figures held at its start, and keep the

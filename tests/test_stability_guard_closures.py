@@ -16,6 +16,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pulse import StabilityGuard
+from lightning_pulse.core.snapshots import PreStepBuffers, take_snapshot
+from lightning_pulse.core.stability_steps import StepRecord
 
 FAULT_STEP = 12
 
@@ -110,7 +112,7 @@ class StateAtFaultStep(pl.Callback):
             self.after = self._read(pl_module)
 
 
-def _fit(module, callbacks, max_steps=20, **trainer_args) -> pl.Trainer:
+def _fit(module, callbacks, max_steps=20, data=None, **trainer_args) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         max_steps=max_steps,
@@ -122,7 +124,7 @@ def _fit(module, callbacks, max_steps=20, **trainer_args) -> pl.Trainer:
         accelerator="cpu",
         **trainer_args,
     )
-    trainer.fit(module, _data())
+    trainer.fit(module, _data() if data is None else data)
     return trainer
 
 
@@ -191,11 +193,22 @@ def _judged_losses(guard: StabilityGuard) -> dict[int, float]:
     return judged
 
 
+class SkipsTheUpdateAndZeroesInPlace(SometimesSkipsTheUpdate):
+    """Zeroes its gradients with ``set_to_none=False``: a window without a step leaves zeros, not ``None``."""
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("module_class", [SometimesSkipsTheUpdate, SkipsTheUpdateAndZeroesInPlace])
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_a_step_is_judged_on_its_own_windows_losses_when_a_window_ended_without_a_step(accumulate):
+def test_a_step_is_judged_on_its_own_windows_losses_when_a_window_ended_without_a_step(
+    accumulate, module_class
+):
     # held-out sweep: the loss of a batch whose window ran no optimizer step stayed in the record, and the
-    # next step was judged on the sum of both (twice the loss): false spikes and rollbacks
-    module, guard = SometimesSkipsTheUpdate(lambda p: torch.optim.SGD(p, lr=0.1)), StabilityGuard()
+    # next step was judged on the sum of both (twice the loss): false spikes and rollbacks. Its gradients
+    # were zeroed (to None, or to zeros in place), so it is no part of the next step's update
+    module, guard = module_class(lambda p: torch.optim.SGD(p, lr=0.1)), StabilityGuard()
     judged = _judged_losses(guard)
     _fit(module, [guard], max_steps=12, accumulate_grad_batches=accumulate)
     windows: dict[int, list[float]] = {}
@@ -207,6 +220,100 @@ def test_a_step_is_judged_on_its_own_windows_losses_when_a_window_ended_without_
     for step, loss in judged.items():
         assert loss == pytest.approx(sum(windows[step]) / accumulate, rel=1e-5), step
     assert guard.spikes_detected == 0
+
+
+class AccumulatesByHand(Classifier):
+    """Gradient accumulation by hand, as forum posts write it: ``optimizer_zero_grad`` zeroes every 2nd batch
+    and ``optimizer_step`` steps every 2nd, running the closure alone on the others. The windows starting at a
+    batch of ``skipped`` run no ``optimizer.step`` (a reference run skipping them by hand)."""
+
+    def __init__(self, skipped=()) -> None:
+        super().__init__(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+        self.skipped = set(skipped)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        if batch_idx % 2 == 0:
+            optimizer.zero_grad()
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        if batch_idx % 2 == 1 and batch_idx - 1 not in self.skipped:
+            optimizer.step(closure=optimizer_closure)
+        else:
+            optimizer_closure()
+
+
+def _with_nan_samples(batches) -> DataLoader:
+    loader = _data()
+    x, y = loader.dataset.tensors
+    x = x.clone()
+    for batch in batches:
+        x[batch * 16 + 3, 0] = float("nan")
+    return DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["first-batch", "second-batch"])
+def test_a_nan_sample_in_a_window_accumulated_by_hand_is_skipped_as_the_datas_wherever_it_is(offset):
+    # loop-hooks sweep: with the NaN sample in the window's first batch, its loss and batch were let go at that
+    # batch's end (a window without an optimizer step) while its NaN gradient stayed in .grad; the next step
+    # read a finite loss and a non-finite gradient norm, was blamed on the model, and the third such step
+    # rolled a healthy model back (24 of 48 steps lost). In the second batch, it was skipped as bad data
+    windows = (4, 8, 12)  # each window's first batch, in both epochs
+    loader = _with_nan_samples(window + offset for window in windows)
+    guard, fits = StabilityGuard(warmup=3, window=10, snapshot_every=10), []
+    for callbacks, skipped in (([guard], ()), ([], windows)):  # the reference: those windows skipped by hand
+        pl.seed_everything(0, verbose=False)
+        module = AccumulatesByHand(skipped)
+        fits.append((module, _fit(module, callbacks, max_steps=-1, max_epochs=2, data=loader)))
+    assert (guard.steps_skipped, guard.rollbacks, guard.spikes_by_kind["nonfinite_grad"]) == (6, 0, 0)
+    found = [(sample["batch_idx"], sample["rows"]) for sample in guard.bad_samples]
+    assert found == [(window + offset, [3]) for window in windows] * 2  # the NaN rows, each epoch
+    (module, trainer), (reference, _) = fits
+    assert all(map(torch.equal, module.parameters(), reference.parameters()))
+    # every micro-batch of a skipped window leaves the epoch's figures: the NaN loss too
+    assert torch.isfinite(trainer.callback_metrics["train_loss_epoch"])
+
+
+@pytest.mark.parametrize("zeroing", [None, True, False], ids=["not-zeroed", "zeroed", "zeroed-in-place"])
+def test_a_window_without_a_step_goes_on_into_the_next_only_where_its_gradients_were_not_zeroed(zeroing):
+    """The record holds such a window until the next micro-batch's backward: its micro-batches, losses and
+    generator states go on into the step where the gradients it left are still held, and the buffers its
+    forward wrote are set back by a skip of that step too; where they were zeroed, the step is its own."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre_step, before = PreStepBuffers(), take_snapshot(0, model)
+    model(torch.randn(5, 3))
+    pre_step.learn(model, before)
+    record = StepRecord(buffers=pre_step)
+    start = [buffer.clone() for buffer in model[1].buffers()]
+    for batch_idx in (0, 1):
+        record.add(batch_idx, f"batch {batch_idx}")
+        record.entered(f"batch {batch_idx}")
+        if batch_idx == 0:
+            assert pre_step.copied and pre_step.aside is None
+        else:
+            assert record.ended_window == 1 and pre_step.aside is not None
+            after_first = [buffer.clone() for buffer in model[1].buffers()]
+        loss = model(torch.randn(5, 3)).square().mean()
+        if batch_idx == 1 and zeroing is not None:
+            optimizer.zero_grad(set_to_none=zeroing)
+        if record.ended_window:  # as the guard's on_before_backward
+            record.settle([optimizer])
+        record.losses.append(loss.detach())
+        loss.backward()
+        if batch_idx == 0:
+            record.drop_window(ended=True, optimizers=[optimizer])
+            assert [index for index, _ in record.batches] == [0] and len(record.losses) == 1
+    carried = zeroing is None
+    assert [index for index, _ in record.batches] == ([0, 1] if carried else [1])
+    assert len(record.losses) == (2 if carried else 1) and set(record.drawn) == ({0, 1} if carried else {1})
+    assert record.ended_window == 0 and pre_step.aside is None
+    assert pre_step.restore() == pre_step.names  # a skip of the step: back to before its first forward
+    assert all(map(torch.equal, model[1].buffers(), start if carried else after_first))
 
 
 class FirstStepConverged(Classifier):

@@ -181,9 +181,8 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         self._keep_gradients = compat.gradients_read_before_step(trainer, pl_module, self)
         self._cycle = pulse_cycle_of(trainer) if self.config.per_phase_baselines else None
         self._energy = StepEnergy.of_callbacks(trainer.callbacks, warn=rank_zero_warn)
-        # HardSampleReplay cuts batches in place and tells their rows; a skipped step's logs leave the epoch's
-        logs, device = compat.SkippedStepLogs(trainer), pl_module.device
-        self._record = steps.StepRecord.of_callbacks(trainer.callbacks, HardSampleReplay, device, logs)
+        held = (pl_module.device, compat.SkippedStepLogs(trainer), self.core.pre_step)  # logs: a skip's go
+        self._record = steps.StepRecord.of_callbacks(trainer.callbacks, HardSampleReplay, *held)  # cuts rows
         self._entry_watch.watch(trainer, self._entered)  # after every batch-start hook and a cut
         self.core.start(trainer.global_step, trainer.optimizers, pl_module, compat.samples_reader(trainer))
         steps.warn_of_converted_baselines(self.detector, _warn_here)  # another scale, key or samples a step
@@ -197,12 +196,13 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         self._energy.begin()  # at the first batch of an optimizer step
         if self.core.snapshot_owed:  # a cut after the last step's batch end (or the fit's start): hooks done
             self._take_snapshot(trainer, pl_module)
-        self.core.pre_step.before_step(self._record.batches)  # at the first: copies what forwards write
-        self._record.add(batch_idx, batch)  # its generator states: at training_step's entry (_entered)
+        self._record.add(batch_idx, batch)  # at the first: copies what forwards write; generator states later
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         record = self._record  # inline, not a record method: a hook of every micro-batch
+        if record.ended_window:  # after a window without a step: are its gradients zeroed (or carried on)?
+            record.settle(trainer.optimizers)
         record.losses.append(loss.detach())  # read once per optimizer step, with the gradient norm
         if record.cut is not None and record.batches:  # after every batch-start hook: the cut is made
             record.note_cut()
@@ -220,7 +220,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
     ) -> None:
         # after the accumulation window, DDP's all-reduce and the AMP unscale; before clipping
         record, step = self._record, trainer.global_step
-        losses = record.take_losses(step + 1)  # the counter this step leaves, for the step's batch end
+        losses = record.take_losses(step + 1, trainer.optimizers)  # the counter it leaves, for its batch end
         decided = record.decided_before_judging(self.policy)  # a forced skip, or a later closure evaluation
         if decided is not None and decided is not Action.APPLY:  # its forwards' writes: set back now
             self.core.mend_at_decision(decided, record, pl_module, optimizer, trainer.optimizers)
@@ -246,7 +246,7 @@ class StabilityGuard(compat.PulseStateKey, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if (action := self._record.end()) is None:  # inside an accumulation window, or one without a step
-            return self._record.drop_window(compat.window_ended(trainer))
+            return self._record.drop_window(compat.window_ended(trainer), trainer.optimizers)
         self._changes.restore()  # normally done right after the step; not if a GradScaler skipped it
         energy, optimizers, schedulers = self._energy.end(), trainer.optimizers, self._schedulers(trainer)
         if self.core.finish_step(action, trainer.global_step, energy, optimizers, pl_module, schedulers):

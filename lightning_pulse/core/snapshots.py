@@ -887,6 +887,10 @@ class PreStepBuffers:
         self.sources: list[torch.Tensor] = []  # the tensors the last copy read
         self.copies: list[torch.Tensor] = []
         self.copied = False  # the copies hold the values before the current step's first forward
+        # the copy of a window that ended without an optimizer step, and its ``copied``, until :meth:`settle`;
+        # and the copies last let go, refilled at the next such window (where their layouts still fit)
+        self.aside: tuple[list[torch.Tensor], bool] | None = None
+        self.spare: list[torch.Tensor] | None = None
         self.learn_after = learn_after
         self.early_learns = 2  # the applied steps from ``learn_after`` on that learn (then: snapshots only)
         self.fingerprints: dict[str, float] = {}  # of the parameters written outside, at the last learn
@@ -956,20 +960,40 @@ class PreStepBuffers:
         self.sources = [tensors[key] for tensors, key in self.slots]
         self.copies = [torch.empty_like(source, requires_grad=False) for source in self.sources]
         self.copied = False  # filled before the next step's first forward
+        self.aside = self.spare = None
 
-    def before_step(self, batches: Sequence[Any]) -> None:
+    def before_step(self, batches: Sequence[Any], ended: int = 0) -> None:
         """Before a micro-batch's forward: copy the learned tensors when it is an optimizer step's first
-        (``batches``: the step's micro-batches so far, empty at its first)."""
-        if batches or not self.slots:
+        (``batches``: the step's micro-batches so far, empty at its first), or when it follows the first
+        ``ended`` of them, a window that ended without an optimizer step: that window's copy is kept aside
+        until :meth:`settle` tells whether the window goes on into this step."""
+        if len(batches) > ended or not self.slots:
             return
         sources = [tensors.get(key) for tensors, key in self.slots]  # a deleted one: dropped
+        self.aside = None
         if not all(map(operator.is_, sources, self.sources)):  # a module replaced a tensor
-            self._refit(sources)
+            self._refit(sources)  # the window's copy fits the tensors no more: not kept aside
             if not self.sources:  # every one dropped
                 return
+        elif ended:
+            self.aside = (self.copies, self.copied)
+            spare, self.spare = self.spare, None
+            self.copies = spare or [torch.empty_like(copy, requires_grad=False) for copy in self.copies]
         with torch.no_grad():  # a parameter that requires grad: no graph from it to the copy
             torch._foreach_copy_(self.copies, self.sources)
         self.copied = True
+
+    def settle(self, carried: bool) -> None:
+        """At the micro-batch after a window that ended without an optimizer step (:meth:`before_step`'s
+        ``ended``): keep that window's copy where the window is ``carried`` on into this step (its gradients
+        were not zeroed: the step's first forward was the window's), else this micro-batch's."""
+        if self.aside is None:
+            return
+        (copies, copied), self.aside = self.aside, None
+        if carried:
+            self.spare, self.copies, self.copied = self.copies, copies, copied
+        else:
+            self.spare = copies
 
     def _refit(self, sources: list[Any]) -> None:
         """Follow tensors a module replaced (a buffer assigned anew, a parameter re-created as a new
@@ -979,7 +1003,7 @@ class PreStepBuffers:
         self.names = [self.names[index] for index in kept]
         self.slots = [self.slots[index] for index in kept]
         self.sources = [sources[index] for index in kept]
-        copies = [self.copies[index] for index in kept]
+        copies, self.spare = [self.copies[index] for index in kept], None
         self.copies = [
             held if _same_layout(held, source) else torch.empty_like(source, requires_grad=False)
             for held, source in zip(copies, self.sources)

@@ -529,9 +529,16 @@ class StepRecord:
     (``HardSampleReplay``), which tells the dataset indices of the rows it kept (``trained_indices``).
     ``device``: the module's, whose CUDA generator is recorded too. ``logs``: what the step logs into the
     epoch's figures (``compat.SkippedStepLogs``): held at its first micro-batch, taken out at the batch end of
-    a step whose update is dropped."""
+    a step whose update is dropped. ``buffers``: the tensors forwards write (:class:`PreStepBuffers`), copied
+    before the step's first forward (:meth:`add`)."""
 
-    def __init__(self, cut: Any = None, device: torch.device | str | None = None, logs: Any = None) -> None:
+    def __init__(
+        self,
+        cut: Any = None,
+        device: torch.device | str | None = None,
+        logs: Any = None,
+        buffers: PreStepBuffers | None = None,
+    ) -> None:
         self.losses: list[Any] = []  # the micro-batch losses of the current optimizer step
         # those the last closure evaluation read (:meth:`take_losses`), kept by reference: a flagged step's
         # rollback test reads each micro-batch's (FlaggedStep.highest_micro_batch)
@@ -562,6 +569,11 @@ class StepRecord:
         # tell (``None`` before the first): then a later evaluation may still skip the step
         self.repeats: bool | None = None
         self.logs = logs
+        self.buffers = buffers
+        # the micro-batches so far that are a window which ended without an optimizer step, held until the
+        # next micro-batch shows whether its gradients go on into this step (:meth:`settle`); 0: none
+        self.ended_window = 0
+        self._window_logs: Any = None  # the logged figures at that window's start (``logs.step_starts``)
 
     @classmethod
     def of_callbacks(
@@ -570,22 +582,29 @@ class StepRecord:
         cut_type: type,
         device: torch.device | str | None = None,
         logs: Any = None,
+        buffers: PreStepBuffers | None = None,
     ) -> StepRecord:
         """The record of a fit with ``callbacks``: the first that is a ``cut_type`` (``HardSampleReplay``) is
         its ``cut``."""
         cut = next((callback for callback in callbacks if isinstance(callback, cut_type)), None)
-        return cls(cut, device, logs)
+        return cls(cut, device, logs, buffers)
 
     def add(self, batch_idx: int, batch: Any) -> None:
         """Keep a micro-batch at its batch start, by reference (until :meth:`entered`). An epoch's first batch
         opens a window: what a window left behind goes (a module's ``on_train_batch_start`` that returns -1
         ends the epoch inside a window, with no step), so the step is judged and re-run on its own batches.
-        A window's first micro-batch holds what was logged so far (``logs``)."""
+        A window's first micro-batch copies what forwards write (``buffers``) and holds what was logged so far
+        (``logs``); so does one after a window that ended without a step, that window's kept until
+        :meth:`settle`."""
         if batch_idx == 0 and self.batches:
-            self.drop_window(ended=True)
+            self._let_go()
+        if self.buffers is not None:
+            self.buffers.before_step(self.batches, self.ended_window)
         self.batches.append((batch_idx, batch))
-        if len(self.batches) == 1 and self.logs is not None:  # the step's first micro-batch
-            self.logs.step_starts()
+        # the step's first micro-batch, or the first after a window held (which may go on into the step)
+        if len(self.batches) == self.ended_window + 1 and self.logs is not None:
+            held = self.logs.step_starts()
+            self._window_logs = held if self.ended_window else None
 
     def entered(self, batch: Any) -> None:
         """At ``training_step``'s entry, the batch it gets: after every batch-start hook (the guard's or not,
@@ -622,9 +641,12 @@ class StepRecord:
         """The generator states of this step's micro-batches and of the reference's, by ``batch_idx``."""
         return self.drawn, self.reference_drawn
 
-    def take_losses(self, step_after: int = -1) -> list[Any]:
+    def take_losses(self, step_after: int = -1, optimizers: Sequence[Any] = ()) -> list[Any]:
         """The losses recorded since the last call (read at each closure evaluation, with the grad norm), for
-        the step that leaves the counter at ``step_after`` (what :meth:`end` records)."""
+        the step that leaves the counter at ``step_after`` (what :meth:`end` records). A window that ended
+        without a step and is not settled yet (no backward since) is settled first, on ``optimizers``."""
+        if self.ended_window:
+            self.settle(optimizers)
         self.step_after = step_after
         losses, self.losses = self.losses, []
         self.taken = losses
@@ -645,7 +667,7 @@ class StepRecord:
             self.repeats = self.repeats or self.evaluations > 1
         elif self.logs is not None:  # dropped: what it logged leaves the epoch's figures
             self.logs.take_out()
-        self.batches, self.drawn, self.trained, self.evaluations = [], {}, {}, 0
+        self.batches, self.drawn, self.trained, self.evaluations, self.ended_window = [], {}, {}, 0, 0
         return action
 
     def undoes(self, step: int, forced_skips: bool = True) -> bool:
@@ -667,12 +689,46 @@ class StepRecord:
         is over: a change made now comes after the guard's snapshot of the step, if any)."""
         return self.decided is None and self.ended == (step, Action.APPLY)
 
-    def drop_window(self, ended: bool) -> None:
+    def drop_window(self, ended: bool, optimizers: Sequence[Any] | None = None) -> None:
         """At the end of a batch with nothing decided: where its accumulation window ``ended`` all the same (a
         module's ``optimizer_step`` ran the closure without ``optimizer.step``), its losses and micro-batches
-        are let go, so that the next step is judged on its own window's losses only."""
-        if ended:
-            self.losses, self.batches, self.drawn, self.trained, self.evaluations = [], [], {}, {}, 0
+        are let go, so that the next step is judged on its own window's losses only; with the ``optimizers``,
+        only where the next micro-batch finds their gradients zeroed (:meth:`settle`). A window held so far
+        that this batch did not settle (no backward) is settled now."""
+        if self.ended_window and optimizers is not None:
+            self.settle(optimizers)
+        if ended and optimizers is None:
+            self._let_go()
+        elif ended:
+            self.ended_window = len(self.batches)
+
+    def settle(self, optimizers: Sequence[Any]) -> None:
+        """At the first hook after the ``optimizer_zero_grad`` of the micro-batch after a window that ended
+        without an optimizer step (its ``on_before_backward``; or its step, or batch end, without a backward):
+        where the ``optimizers``' gradients still hold values (:func:`gradients_held`), that window's are in
+        this step's update (gradient accumulation by hand: ``optimizer_zero_grad`` zeroing every Nth batch),
+        and its losses, micro-batches, buffer copy and logged figures go on into this step, so the step is
+        judged on the whole window and a check re-runs all its batches (a NaN in its first batch is the data's
+        fault: it was kept in ``.grad`` while its loss and batch were let go, and the next step was blamed on
+        the model). Else they are let go. The window's losses are all the record holds here."""
+        ended, self.ended_window = self.ended_window, 0
+        carried = gradients_held(optimizers)
+        if self.buffers is not None:
+            self.buffers.settle(carried)
+        logs, self._window_logs = self._window_logs, None
+        if carried:
+            if logs is not None and self.logs is not None:
+                self.logs.hold(logs)
+            return
+        for batch_idx, _ in self.batches[:ended]:
+            self.drawn.pop(batch_idx, None)
+            self.trained.pop(batch_idx, None)
+        del self.batches[:ended]
+        self.losses, self.evaluations = [], 0
+
+    def _let_go(self) -> None:
+        self.losses, self.batches, self.drawn, self.trained, self.evaluations = [], [], {}, {}, 0
+        self.ended_window, self._window_logs = 0, None
 
     def decided_before_judging(self, policy: EscalationPolicy) -> Action | None:
         """The step's action where it needs no judging: a forced skip (one of the steps skipped after a
@@ -683,6 +739,25 @@ class StepRecord:
             self.forced = policy.forced_skip()
             self.decided = Action.SKIP if self.forced else None
         return self.decided
+
+
+def gradients_held(optimizers: Sequence[Any], most: int = 4) -> bool:
+    """Whether the ``optimizers``' gradients hold values: a ``.grad`` not ``None`` and, among the first
+    ``most`` such, one not all zero (``zero_grad(set_to_none=False)`` leaves zeros). Read only after a window
+    that ended without an optimizer step (:meth:`StepRecord.settle`): a pass over the parameters and a
+    device-to-host read per gradient read."""
+    read = 0
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if (grad := param.grad) is None:
+                    continue
+                if bool((grad.coalesce().values() if grad.is_sparse else grad).any()):
+                    return True
+                read += 1
+                if read >= most:
+                    return False
+    return False
 
 
 def caches_activations(callbacks: Sequence[Any]) -> bool:
