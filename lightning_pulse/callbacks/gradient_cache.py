@@ -74,8 +74,7 @@ class GradientCache(compat.PulseStateKey, Callback):
             prefix's forward too (0: off). It lives on each cached module's output device: accelerator memory on
             a GPU. Needs one map-style DataLoader (worker processes are fine) and samples that are the same at
             every visit (checked: the cache switches itself off on a mismatch).
-        measure_flops: measure each frozen-prefix length's backward once with ``torch.utils.flop_counter`` and
-            log the backward FLOPs skipped.
+        measure_flops: log the backward FLOPs skipped (torch's FLOP formulas, scaled to each batch's size).
 
     A unit holding a tied or shared parameter never freezes (the setup log names it). Parameters frozen before
     the first backward (a backbone) belong to no unit; once they train, everything is released and the units
@@ -217,6 +216,7 @@ class GradientCache(compat.PulseStateKey, Callback):
             # a unit turned back on: released before the forward (mid-epoch, a resume: dated as its step)
             self._lifecycle.release_taken_back(trainer.global_step + (batch_idx > 0), self._replay)
         self._lifecycle.begin_forward()  # a resumed fit's first backward trains its prefix: graph checked
+        self.ledger.begin_forward(pl_module, self._lifecycle.units if self.measure_flops else ())  # its size
         if self._replay is not None:  # not that batch: its prefix's outputs require grad, no record of them
             self._replay.begin_batch(batch_idx, frozen=self._lifecycle.backward_prefix > 0)
 
