@@ -115,3 +115,32 @@ def test_a_rollback_returns_the_counters_an_optimizer_keeps_in_its_groups():
     # window's 2 (kept at the incident's 11 instead, it would end at 21)
     assert trainer.optimizers[0].param_groups[0]["k"] == 5 + (24 - (FAULT_AT + 1) - 2)
     assert model.rates[-1] == BASE_LR
+
+
+class _RaisedOnceByHand(_WarmupByHand):
+    """No warm-up: at ``FAULT_AT`` a hook sets the rate x100 once (a typo, a mid-run finder) as the weights
+    go bad."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer.step(closure=optimizer_closure)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == FAULT_AT and not self.faulted:
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = 100 * BASE_LR
+        super().on_train_batch_start(batch, batch_idx)
+
+
+def test_a_rollback_undoes_a_rate_raised_by_hand_far_above_the_snapshots():
+    # kept, a x100 rate set once by hand rolled back three times and stopped the run (a regression sweep)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=generator)
+    y = (x @ torch.randn(16, 4, generator=generator)).argmax(1)
+    model = _RaisedOnceByHand()
+    guard = StabilityGuard(
+        warmup=5, snapshot_every=5, max_snapshots=3, rollback_margin=6, skip_after_rollback=2
+    )
+    trainer = pl.Trainer(max_steps=24, callbacks=[guard], **trainer_kwargs())
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
+    assert [event["to_step"] for event in guard.events if event["event"] == "rollback"] == [5]
+    assert model.rates[FAULT_AT:] and all(rate == BASE_LR for rate in model.rates[FAULT_AT:]), model.rates

@@ -27,6 +27,8 @@ from torch import nn
 from torch.ao.quantization import FakeQuantizeBase
 from torch.nn.parameter import is_lazy
 
+from lightning_pulse.core.schedule_replay import LR_RAISED_FACTOR
+
 
 class Stateful(Protocol):
     def state_dict(self) -> Any: ...
@@ -801,7 +803,7 @@ def restore_snapshot(
             if rewind_schedule:  # keep the keys a scheduler set since (``initial_lr``, SWALR's ``swa_lr``)
                 for name, value in hyperparameters.items():
                     group.setdefault(name, value)
-                if hand_set and "lr" in hyperparameters:
+                if hand_set and _kept_by_hand(hyperparameters.get("lr"), group.get("lr")):
                     group["lr"] = hyperparameters["lr"]
             else:
                 group.update(hyperparameters)
@@ -817,6 +819,19 @@ def restore_snapshot(
     for key, stateful in (callbacks or {}).items():
         if key in snapshot.callbacks:
             stateful.load_state_dict(copy.deepcopy(snapshot.callbacks[key]))
+
+
+def _kept_by_hand(current: Any, saved: Any) -> bool:
+    """Whether a rollback keeps ``current``, the rate of an optimizer no LR scheduler drives, over the
+    snapshot's ``saved``: a rate set by hand is set again by nothing (a warm-up keyed on the step counter), but
+    one raised :data:`~lightning_pulse.core.schedule_replay.LR_RAISED_FACTOR` times or more above the
+    snapshot's is the likely cause of the trouble (a rate set once by mistake): the snapshot's then (a
+    regression sweep: kept, a x100 rate rolled back three times and stopped the run)."""
+    if current is None:
+        return False
+    if not isinstance(current, (int, float)) or not isinstance(saved, (int, float)):
+        return True
+    return not (saved > 0 and current >= LR_RAISED_FACTOR * saved)
 
 
 def _scheduled_optimizers(schedulers: Sequence[Any]) -> set[int] | None:
