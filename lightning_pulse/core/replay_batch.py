@@ -914,6 +914,7 @@ class ReplayBatchLifecycle:
         self.captures.release()
         self.state_check.stop()
         self.current = self._batch = self._module = None  # the module (its Trainer) not kept after the fit
+        self._rerun = None  # holds the Trainer too
         self._output = self._finished_early = None
         if self.hold is not None:
             self.hold.wait()  # the rank may exit right after (see _gather_flags)
