@@ -55,11 +55,10 @@ class _WarmupByHand(pl.LightningModule):
         self.rates.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def _fit(scheduled: bool):
+def _fit(model: pl.LightningModule):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(256, 16, generator=generator)
     y = (x @ torch.randn(16, 4, generator=generator)).argmax(1)
-    model = _WarmupByHand(scheduled)
     guard = StabilityGuard(
         warmup=5, snapshot_every=5, max_snapshots=3, rollback_margin=6, skip_after_rollback=2
     )
@@ -70,14 +69,14 @@ def _fit(scheduled: bool):
 
 
 def test_a_rollback_into_a_warm_up_set_by_hand_keeps_the_modules_rate():
-    model, _, rollbacks = _fit(scheduled=False)
+    model, _, rollbacks = _fit(_WarmupByHand(scheduled=False))
     assert rollbacks == [5]  # into the warm-up: the snapshot's rate was 0.6 * BASE_LR
     after = model.rates[FAULT_AT:]
     assert after and all(rate == BASE_LR for rate in after), after
 
 
 def test_a_rollback_still_rewinds_a_scheduler_and_the_rate_it_drives():
-    model, trainer, rollbacks = _fit(scheduled=True)
+    model, trainer, rollbacks = _fit(_WarmupByHand(scheduled=True))
     assert rollbacks == [5]
     schedule = trainer.lr_scheduler_configs[0].scheduler
     # the schedule went back to step 5's (6 steps taken back; the rolled-back step does not step it either)
@@ -101,16 +100,8 @@ def test_a_rollback_returns_the_counters_an_optimizer_keeps_in_its_groups():
         def configure_optimizers(self):
             return _CountingSGD(self.parameters(), lr=BASE_LR, momentum=0.9)
 
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 16, generator=generator)
-    y = (x @ torch.randn(16, 4, generator=generator)).argmax(1)
-    model = _Counting()
-    guard = StabilityGuard(
-        warmup=5, snapshot_every=5, max_snapshots=3, rollback_margin=6, skip_after_rollback=2
-    )
-    trainer = pl.Trainer(max_steps=24, callbacks=[guard], **trainer_kwargs())
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
-    assert [event["to_step"] for event in guard.events if event["event"] == "rollback"] == [5]
+    model, trainer, rollbacks = _fit(_Counting())
+    assert rollbacks == [5]
     # back to the snapshot's 5, then one per applied step after the rollback: steps 12-23 less the skip
     # window's 2 (kept at the incident's 11 instead, it would end at 21)
     assert trainer.optimizers[0].param_groups[0]["k"] == 5 + (24 - (FAULT_AT + 1) - 2)
@@ -133,14 +124,6 @@ class _RaisedOnceByHand(_WarmupByHand):
 
 def test_a_rollback_undoes_a_rate_raised_by_hand_far_above_the_snapshots():
     # kept, a x100 rate set once by hand rolled back three times and stopped the run (a regression sweep)
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 16, generator=generator)
-    y = (x @ torch.randn(16, 4, generator=generator)).argmax(1)
-    model = _RaisedOnceByHand()
-    guard = StabilityGuard(
-        warmup=5, snapshot_every=5, max_snapshots=3, rollback_margin=6, skip_after_rollback=2
-    )
-    trainer = pl.Trainer(max_steps=24, callbacks=[guard], **trainer_kwargs())
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
-    assert [event["to_step"] for event in guard.events if event["event"] == "rollback"] == [5]
+    model, _, rollbacks = _fit(_RaisedOnceByHand())
+    assert rollbacks == [5]
     assert model.rates[FAULT_AT:] and all(rate == BASE_LR for rate in model.rates[FAULT_AT:]), model.rates
