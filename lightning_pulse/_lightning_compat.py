@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import math
 import os
+import re
 import time
 import warnings
 import weakref
@@ -1309,7 +1311,23 @@ def gradient_reading_hooks(pl_module: pl.LightningModule) -> list[str]:
     out: one that only reads (a gradient-norm logger, Lightning's ``grad_norm``) skips a ``None`` gradient, and
     counting each would cost every fit with such a callback a zero gradient per frozen parameter per step."""
     name = type(pl_module).__name__
-    return [f"{name}.{hook}" for hook in MODULE_GRADIENT_HOOKS if is_overridden(hook, pl_module)]
+    return [
+        f"{name}.{hook}"
+        for hook in MODULE_GRADIENT_HOOKS
+        if is_overridden(hook, pl_module) and _may_touch_gradients(getattr(type(pl_module), hook))
+    ]
+
+
+def _may_touch_gradients(hook: Any) -> bool:
+    """Whether a hook's own code reads a ``.grad`` attribute (or its code cannot be read). One that only calls
+    None-safe helpers (Lightning's ``grad_norm``, ``clip_grad_norm_``) and logs needs no stand-in gradients: a
+    regression sweep found Lightning's ``grad_norm`` logging recipe given zeros, which it logged as norms of 0
+    for every frozen layer. A hook that reaches gradients only through a helper of its own is not seen."""
+    try:
+        source = inspect.getsource(hook)
+    except (OSError, TypeError):
+        return True
+    return re.search(r"\.grad\b", source) is not None
 
 
 def prepare_evaluation_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:

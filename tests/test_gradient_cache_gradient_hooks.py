@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -215,3 +216,15 @@ def test_the_hooks_given_zero_gradients_are_the_modules_own():
     assert compat.gradient_reading_hooks(_HandAccumulatedNoise()) == [
         "_HandAccumulatedNoise.on_before_optimizer_step"
     ]
+
+
+class _GradNormLogger(_Net):
+    """Lightning's recipe: log the gradient norms in ``on_before_optimizer_step`` (``grad_norm`` skips ``None``)."""
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
+def test_a_hook_that_reads_no_grad_attribute_gets_no_zero_gradients():
+    # a regression sweep: the recipe got zeros, logged as norms of 0 for every frozen layer, and paid for them
+    assert compat.gradient_reading_hooks(_GradNormLogger()) == []
