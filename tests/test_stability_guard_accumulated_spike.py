@@ -10,14 +10,12 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pulse import StabilityGuard
 from lightning_pulse.core.stability_steps import FlaggedStep, StepRecord
 from tests.conftest import trainer_kwargs
+from tests.test_stability_guard_untrained_snapshot import _Digits, shuffled_digits
 
 
 def _flagged(micro_batches, losses, all_reduce_sum=None):
@@ -43,23 +41,8 @@ def test_the_highest_micro_batch_and_its_own_loss_are_read_from_the_recorded_los
     assert _flagged([40, 41], [0.4, 1.9], all_reduce_sum=sum).highest_micro_batch() is None  # DDP: per rank
 
 
-class _Digits(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=3e-3)
-
-
 def test_a_recurring_x1000_micro_batch_under_accumulation_is_skipped_not_rolled_back_to_the_start():
-    x, y = load_digits(return_X_y=True)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x, y = (torch.tensor(x, dtype=torch.float32) / 16)[order][:1500], torch.tensor(y)[order][:1500]
+    x, y = shuffled_digits()
     x[672:675] = float("nan")  # micro-batch 21 of each epoch: skipped as the data's
     x[1312:1316] *= 1000  # micro-batch 41, beside a clean 40 in its window
     pl.seed_everything(0)

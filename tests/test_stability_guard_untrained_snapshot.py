@@ -74,6 +74,13 @@ def test_a_snapshot_where_every_loss_is_high_is_no_rollback_target_once_a_newer_
     ]
 
 
+def shuffled_digits(count: int = 1500) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits in a fixed shuffled order, scaled to [0, 1]: ``count`` of them."""
+    x, y = load_digits(return_X_y=True)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    return (torch.tensor(x, dtype=torch.float32) / 16)[order][:count], torch.tensor(y)[order][:count]
+
+
 class _Digits(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -91,9 +98,7 @@ def test_a_recurring_shard_of_wrong_labels_is_skipped_not_rolled_back_to_the_unt
     # the sweep's repro: batches 20 and 21 of every epoch relabelled wrong (an off-by-one in a labelling
     # script); the third flag within spike_memory (step 205) is tested on the step-100 snapshot (4.10 against
     # 0.66: reproduced) and the fit start (2.306 against 2.316)
-    x, y = load_digits(return_X_y=True)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x, y = (torch.tensor(x, dtype=torch.float32) / 16)[order][:1500], torch.tensor(y)[order][:1500]
+    x, y = shuffled_digits()
     labels, shard = y.clone(), torch.arange(640, 704)
     labels[shard] = (labels[shard] + 1 + shard % 9) % 10
     pl.seed_everything(0)
